@@ -1,0 +1,220 @@
+"""Data parallel from scratch: every rank holds the whole model and sees a slice of the batch.
+
+After backward each rank has the gradient of *its* slice; averaging the gradients over ranks gives
+the gradient of the whole batch, so every replica takes the same optimizer step and they stay equal.
+
+The averaging is an all-reduce, and how it is issued is the whole craft:
+
+* Gradients are packed into **buckets** (a flat buffer of about ``bucket_mb`` each). One message per
+  bucket instead of one per parameter: fewer, larger messages use the network better.
+* A bucket is all-reduced **as soon as its last gradient is ready**, from a hook that autograd
+  calls during backward, so communication overlaps the rest of backward. Parameters are bucketed in
+  reverse order, roughly the order backward produces their gradients (the last layer's first).
+* Buckets are launched strictly in order (bucket 3 waits for bucket 2): every rank must issue the
+  same collectives in the same order, or they pair up wrongly and hang.
+* At the end of backward (an autograd callback) the remaining buckets are launched, all are
+  waited for, and the averaged values are copied back into ``param.grad``.
+* ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
+  accumulation); the first backward outside it all-reduces the accumulated sum.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minitp import comm
+from minitp.launch import device
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # flat: the gradients of ``params`` side by side
+    offsets: list[int]
+    ready: int = 0
+    handle: comm.Handle | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters (already in backward order) into buckets of at most ``bucket_bytes``; a
+    parameter larger than a bucket gets one of its own. ``minitp.cost.num_buckets`` counts the same."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+    buckets: list[list[nn.Parameter]] = []
+    filled = 0
+    for p in params:
+        size = p.numel() * p.element_size()
+        if not buckets or filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p)
+        filled += size
+    return buckets
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap a model so that backward leaves every rank with the gradient averaged over ``group``.
+
+    module: the plain model, built the same way on every rank (its parameters are broadcast from
+        the group's first rank anyway, as a start-up guarantee).
+    group: the data-parallel process group (None: the world).
+    bucket_mb: bucket size in MiB (2**20 bytes).
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0):
+        super().__init__()
+        if not bucket_mb or bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self.module = module
+        self.group = group
+        self.world_size = comm.group_size(group)
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the module has no parameters that require a gradient")
+        self._broadcast_parameters(params)
+
+        # Buckets in backward order: the last parameters registered are the first to get gradients.
+        self.buckets: list[Bucket] = []
+        for i, group_params in enumerate(make_buckets(params[::-1], self.bucket_bytes)):
+            sizes = [p.numel() for p in group_params]
+            offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+            buffer = torch.zeros(sum(sizes), dtype=group_params[0].dtype, device=group_params[0].device)
+            self.buckets.append(Bucket(i, group_params, buffer, offsets))
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._next_bucket = 0  # the next bucket to launch, so they go out in order
+        self._callback_queued = False
+        self._sync = True
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally and send nothing."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # -- start-up ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
+        """Make every replica start from the first rank's weights: one flat broadcast."""
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        comm.broadcast(flat, src=comm.group_ranks(self.group)[0], group=self.group, label="ddp/init")
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # -- during backward -----------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:  # runs once when this whole backward pass is over
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        bucket = self._bucket_of[param]
+        bucket.ready += 1
+        while self._next_bucket < len(self.buckets):
+            nxt = self.buckets[self._next_bucket]
+            if nxt.ready < len(nxt.params):
+                break
+            self._launch(nxt)
+
+    @torch.no_grad()
+    def _launch(self, bucket: Bucket) -> None:
+        for p, offset in zip(bucket.params, bucket.offsets):
+            view = bucket.buffer[offset:offset + p.numel()]
+            if p.grad is None:  # a parameter that took no part in this forward
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        bucket.buffer.div_(self.world_size)  # average = sum of (grad / n)
+        bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
+                                        label=f"ddp/bucket{bucket.index}", async_op=True)
+        self._next_bucket += 1
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        while self._next_bucket < len(self.buckets):  # buckets holding unused parameters
+            self._launch(self.buckets[self._next_bucket])
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            for p, offset in zip(bucket.params, bucket.offsets):
+                averaged = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = averaged.clone()
+                else:
+                    p.grad.copy_(averaged)
+            bucket.ready, bucket.handle = 0, None
+        self._next_bucket = 0
+        self._callback_queued = False
+
+
+# -- the data side -------------------------------------------------------------------------------------
+def split_batch(batch: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch (dim 0).
+
+    The batch must divide evenly: with equal slices the average of the ranks' mean losses is the
+    mean loss of the whole batch, which is what makes data parallel equal one process. An uneven
+    split would need the slices weighted by their sizes, so it is refused rather than silently off.
+    """
+    n, r = comm.group_size(group), comm.group_rank(group)
+    if batch.shape[0] % n:
+        raise ValueError(f"a batch of {batch.shape[0]} rows is not divisible by the {n} ranks of the "
+                         f"data-parallel group; use a batch size that is a multiple of {n}")
+    rows = batch.shape[0] // n
+    return batch[r * rows:(r + 1) * rows]
+
+
+class DistributedSampler:
+    """Which dataset indices this rank reads each epoch: a shuffled order (the same on every rank,
+    from ``seed`` and the epoch), dealt out like cards so the ranks' index sets never overlap.
+
+    ``len(dataset)`` must divide by the number of ranks (see ``split_batch`` for why).
+    """
+
+    def __init__(self, dataset_size: int, group: dist.ProcessGroup | None = None, shuffle: bool = True,
+                 seed: int = 0):
+        self.n, self.rank = comm.group_size(group), comm.group_rank(group)
+        if dataset_size % self.n:
+            raise ValueError(f"a dataset of {dataset_size} samples is not divisible by the {self.n} "
+                             f"ranks of the data-parallel group")
+        self.dataset_size, self.shuffle, self.seed, self.epoch = dataset_size, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        return iter(order[self.rank::self.n])
+
+    def __len__(self) -> int:
+        return self.dataset_size // self.n
+
+
+def all_reduce_mean(value: torch.Tensor | float, group: dist.ProcessGroup | None = None,
+                    label: str = "ddp/metric") -> float:
+    """The mean of a metric over the ranks (e.g. each rank's evaluation loss)."""
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().reshape(1).to(device())
+    comm.all_reduce(t, group=group, label=label)
+    return t.item() / comm.group_size(group)

@@ -1,0 +1,27 @@
+"""Plain models (no parallel code inside), synthetic data and the one-process reference."""
+
+from minitp.models.llama import (
+    LLAMA3_8B,
+    LLAMA3_70B,
+    PRESETS,
+    TINY,
+    Attention,
+    FeedForward,
+    KVCache,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+    build_model,
+    generate,
+    get_config,
+    loss_fn,
+)
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
+
+__all__ = [
+    "ModelConfig", "TINY", "LLAMA3_8B", "LLAMA3_70B", "PRESETS", "get_config",
+    "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer", "KVCache",
+    "build_model", "generate", "loss_fn",
+    "TrainConfig", "synthetic_batches", "make_optimizer", "train_reference",
+]

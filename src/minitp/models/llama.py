@@ -1,0 +1,228 @@
+"""A plain LLaMA-style decoder: no parallel code anywhere in it.
+
+Token embedding -> n_layers x [RMSNorm -> causal attention (RoPE, grouped-query heads) -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head. Module names follow Meta's LLaMA code
+(``tok_embeddings``, ``layers.i.attention.wq``, ``layers.i.feed_forward.w1``, ``output``), so the
+strategies in minitp can name the pieces they split.
+
+Shapes: B batch, S sequence, D dim, H heads, Hkv key/value heads, Dh = D/H head dim, F hidden dim
+of the MLP, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 128
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
+    ffn_hidden: int = 128
+    max_seq_len: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        kv = self.kv_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count, from the shapes alone (works for 70B without building anything)."""
+        d, f, v, kvd = self.dim, self.ffn_hidden, self.vocab_size, self.kv_heads * self.head_dim
+        attention = d * d + 2 * d * kvd + d * d  # wq, wk, wv, wo
+        mlp = 3 * d * f  # w1, w3: D->F; w2: F->D
+        block = attention + mlp + 2 * d  # two RMSNorm weights
+        return v * d + self.n_layers * block + d + d * v  # embedding, blocks, final norm, head
+
+    def with_(self, **changes) -> ModelConfig:
+        return replace(self, **changes)
+
+
+# Presets. "tiny" trains on a laptop CPU in seconds; the LLaMA-3 shapes are for cost arithmetic and
+# are never materialised.
+TINY = ModelConfig()
+LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0)
+LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                         ffn_hidden=28672, max_seq_len=8192, rope_theta=500000.0)
+PRESETS = {"tiny": TINY, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+def get_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., D); normalise by the root mean square over D, in fp32 for stability
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary position angles: two (S, Dh/2) tables."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, S, H, Dh); rotate each (even, odd) pair of features by its position's angle
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        B, S, _ = x.shape
+        # The head counts come from the weights, so a layer holding a slice of the heads works as is.
+        n_heads, n_kv = self.wq.out_features // self.head_dim, self.wk.out_features // self.head_dim
+        q = self.wq(x).view(B, S, n_heads, self.head_dim)  # (B, S, H, Dh)
+        k = self.wk(x).view(B, S, n_kv, self.head_dim)  # (B, S, Hkv, Dh)
+        v = self.wv(x).view(B, S, n_kv, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # generation: append this step's keys and values to the cache
+            k, v = cache.update(k, v)
+        if n_kv != n_heads:  # grouped-query attention: each key/value head serves H/Hkv query heads
+            k = k.repeat_interleave(n_heads // n_kv, dim=2)
+            v = v.repeat_interleave(n_heads // n_kv, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, Dh)
+        Sk = k.shape[2]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, S, Sk)
+        # causal mask: query i (at absolute position Sk-S+i) sees keys 0..Sk-S+i
+        mask = torch.ones(S, Sk, dtype=torch.bool, device=x.device).tril(diagonal=Sk - S)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(dim=-1) @ v  # (B, H, S, Dh)
+        return self.wo(out.transpose(1, 2).reshape(B, S, n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: (SiLU(x W1) * (x W3)) W2."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, D) -> (B, S, F) -> (B, S, D)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
+        # tokens: (B, S) -> logits (B, S, V)
+        S = tokens.shape[1]
+        if start_pos + S > self.config.max_seq_len:
+            raise ValueError(f"sequence reaches position {start_pos + S}, past max_seq_len="
+                             f"{self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start_pos:start_pos + S], self.rope_sin[start_pos:start_pos + S]
+        h = self.tok_embeddings(tokens)  # (B, S, D)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, None if caches is None else caches[i])
+        return self.output(self.norm(h))  # (B, S, V)
+
+
+def build_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
+    """The model with weights drawn from ``seed``: every rank that calls this gets the same model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Transformer(cfg)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:  # small normal init keeps the tiny model's first losses near log(V)
+                nn.init.normal_(p, mean=0.0, std=0.02)
+    return model
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position: (B, S, V), (B, S) -> scalar."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for one layer: (B, S_so_far, Hkv, Dh) each."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with a KV cache: the prompt once, then one token per step. (B, P) -> (B, P+N)."""
+    caches = [KVCache() for _ in range(model.config.n_layers)]
+    logits = model(prompt, start_pos=0, caches=caches)
+    out = [prompt]
+    for step in range(new_tokens):
+        nxt = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+        out.append(nxt)
+        if step + 1 < new_tokens:
+            logits = model(nxt, start_pos=prompt.shape[1] + step, caches=caches)
+    return torch.cat(out, dim=1)

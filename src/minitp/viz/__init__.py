@@ -1,0 +1,2 @@
+"""Figures drawn from what a run recorded: each function takes a trace, a report or tensors that a
+run returned, and gives back a matplotlib Figure. None of them runs anything."""
