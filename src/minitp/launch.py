@@ -220,7 +220,11 @@ def _dump_stacks(procs, workdir: str, ranks: set[int]) -> dict[int, str]:
             except ProcessLookupError:
                 pass
     time.sleep(0.5)
-    return {r: _tail(os.path.join(workdir, f"rank{r}.stack"), 4000) or "(no stack written)" for r in ranks}
+    stacks = {}
+    for r in ranks:  # faulthandler writes the innermost call first: keep the head
+        text = _tail(os.path.join(workdir, f"rank{r}.stack"), 10**6)
+        stacks[r] = text[:4000] or "(no stack written)"
+    return stacks
 
 
 def _stop(procs) -> None:
@@ -338,11 +342,15 @@ def _launch_in_place(fn, nprocs, args, backend: str) -> Results:
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend)
     with _trace.recording(rank) as tr:
         value = fn(*args)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, _Ran(value, tr))
+    if owns_group:  # a process group left to interpreter exit can abort the process
+        dist.barrier()
+        dist.destroy_process_group()
     return Results([r.value for r in everyone], [r.trace for r in everyone],
                    [""] * world, [""] * world, time.perf_counter() - t0)

@@ -116,6 +116,14 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_batch(batch_size: int, data_parallel: int) -> None:
+    """Refuse a global batch that does not split evenly over the data-parallel ranks."""
+    if not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"nprocs must be an integer >= 1, got {data_parallel}")
+    if batch_size % data_parallel:
+        raise ValueError(f"batch_size={batch_size} is not divisible by nproc={data_parallel}")
+
+
 def train_steps(model, step_model, batches, shard, optimizer) -> tuple[list[float], list[float]]:
     """The training loop every strategy's worker shares: forward/backward on this rank's part of
     each global batch, optimizer step. Gradients are left in place after the last step so memory
@@ -162,8 +170,7 @@ def run_ddp(nproc: int = 4, steps: int = 4, bucket_mb: float = 0.25, model: str 
     """Train with ``minitp.ddp`` on ``nproc`` ranks and report it against the three oracles."""
     if not bucket_mb or bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-    if batch_size % nproc:
-        raise ValueError(f"batch_size={batch_size} is not divisible by nproc={nproc}")
+    check_batch(batch_size, nproc)
     cfg = get_config(model)
     train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed)
     results = launch(_ddp_worker, nproc, model, train, bucket_mb, backend=backend, timeout=timeout, echo=False)

@@ -190,7 +190,7 @@ def build_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Transformer(cfg)
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:  # small normal init keeps the tiny model's first losses near log(V)
                 nn.init.normal_(p, mean=0.0, std=0.02)
     return model

@@ -1,0 +1,196 @@
+"""minitp.ddp against its three oracles: one process, PyTorch's DDP, and minitp.cost."""
+
+import statistics
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import minitp
+from minitp import cost, runs
+from minitp.ddp import DistributedDataParallel, DistributedSampler, all_reduce_mean, split_batch
+from minitp.models import TINY, TrainConfig, build_model, loss_fn, make_optimizer, synthetic_batches, train_reference
+
+TRAIN = TrainConfig(steps=4, batch_size=8)
+PARAM_BYTES = [p.numel() * 4 for p in build_model(TINY).parameters()][::-1]  # backward order
+BUCKETS = {"one": 100.0, "two": 0.45, "many": 1e-4}  # MiB
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, model = train_reference(TINY, TRAIN)
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _train(bucket_mb, micro_batches=1, train=TRAIN):
+    """Train the tiny model with minitp DDP; with micro_batches > 1 accumulate under no_sync."""
+    model = build_model(TINY, seed=train.seed)
+    ddp = DistributedDataParallel(model, bucket_mb=bucket_mb)
+    optimizer = make_optimizer(model.parameters(), train.lr)
+    losses = []
+    for tokens, targets in synthetic_batches(TINY, train):
+        x, y = split_batch(tokens), split_batch(targets)
+        optimizer.zero_grad()
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            last = i == micro_batches - 1
+            with minitp.trace.span("backward") if last else ddp.no_sync():
+                loss = loss_fn(ddp(xm), ym) / micro_batches
+                loss.backward()
+            total += loss.item()
+        optimizer.step()
+        losses.append(total)
+    return {"state": model.state_dict(), "losses": losses, "num_buckets": len(ddp.buckets)}
+
+
+def _global_losses(results):
+    return [statistics.fmean(r["losses"][s] for r in results) for s in range(TRAIN.steps)]
+
+
+@pytest.mark.parametrize("buckets", list(BUCKETS))
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ddp_matches_single_process(world_size, buckets, reference):
+    ref_losses, ref_state = reference
+    results = minitp.launch(_train, world_size, BUCKETS[buckets], echo=False)
+    for r in results:
+        assert runs.max_abs_diff(r["state"], ref_state) <= 1e-5
+    assert _global_losses(results) == pytest.approx(ref_losses, abs=1e-5)
+    expected_buckets = cost.num_buckets(PARAM_BYTES, int(BUCKETS[buckets] * 2**20))
+    assert results[0]["num_buckets"] == expected_buckets
+    assert {"one": 1, "two": 2, "many": len(PARAM_BYTES)}[buckets] == expected_buckets
+    psi = TINY.num_params()
+    for rank, tr in enumerate(results.traces):
+        buckets_sent = [e for e in tr.comm() if e.op == "all_reduce"]
+        assert len(buckets_sent) == TRAIN.steps * expected_buckets
+        assert tr.sent_bytes() == pytest.approx(cost.ddp_run_bytes(psi, world_size, TRAIN.steps, rank))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_with_no_sync_accumulation_matches_single_process(world_size, reference):
+    ref_losses, ref_state = reference
+    results = minitp.launch(_train, world_size, 0.45, 2, echo=False)
+    for r in results:
+        assert runs.max_abs_diff(r["state"], ref_state) <= 1e-5
+    assert _global_losses(results) == pytest.approx(ref_losses, abs=1e-5)
+    # only the last micro-batch of each step communicates
+    ar = [e for e in results.traces[0].comm() if e.op == "all_reduce"]
+    assert len(ar) == TRAIN.steps * results[0]["num_buckets"]
+
+
+def _train_with_both():
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    out = {}
+    for name, wrap in (("minitp", lambda m: DistributedDataParallel(m, bucket_mb=0.45)),
+                       ("torch", lambda m: TorchDDP(m, bucket_cap_mb=0.45))):
+        model = build_model(TINY, seed=TRAIN.seed)
+        wrapped = wrap(model)
+        optimizer = make_optimizer(model.parameters(), TRAIN.lr)
+        for tokens, targets in synthetic_batches(TINY, TRAIN):
+            optimizer.zero_grad()
+            loss_fn(wrapped(split_batch(tokens)), split_batch(targets)).backward()
+            optimizer.step()
+        out[name] = model.state_dict()
+    return out
+
+
+def test_ddp_matches_pytorch_ddp(reference):
+    results = minitp.launch(_train_with_both, 4, echo=False)
+    for r in results:
+        assert runs.max_abs_diff(r["minitp"], r["torch"]) <= 1e-5
+        assert runs.max_abs_diff(r["torch"], reference[1]) <= 1e-5
+
+
+def _three_linears(bucket_bytes):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    ddp = DistributedDataParallel(model, bucket_mb=bucket_bytes / 2**20)
+    ddp(torch.randn(4, 10)).sum().backward()
+    return [[p.numel() * 4 for p in b.params] for b in ddp.buckets]
+
+
+@pytest.mark.parametrize("bucket_bytes, expected", [
+    # backward order: bias3 (40 B), weight3 (400 B), bias2, weight2, bias1, weight1
+    (440, [[40, 400], [40, 400], [40, 400]]),
+    (1000, [[40, 400, 40, 400, 40], [400]]),
+    (10_000, [[40, 400, 40, 400, 40, 400]]),
+    (100, [[40], [400], [40], [400], [40], [400]]),
+])
+def test_number_of_buckets_follows_the_bucket_size(bucket_bytes, expected):
+    results = minitp.launch(_three_linears, 2, bucket_bytes, echo=False)
+    assert results[0] == expected
+    sent = [e.bytes for e in results.traces[0].comm() if e.op == "all_reduce"]
+    assert sent == [sum(b) for b in expected]  # one all-reduce per bucket, in bucket order
+
+
+def test_buckets_are_sent_during_backward_not_after(reference):
+    results = minitp.launch(_train, 2, BUCKETS["many"], echo=False)
+    events = results.traces[0].events
+    for step in range(TRAIN.steps):
+        backward = [e for e in events if e.op == "backward"][step]
+        first = min((e for e in events if e.op == "all_reduce" and backward.start <= e.start),
+                    key=lambda e: e.start)
+        assert first.start < backward.end - 0.25 * backward.duration  # launched well before backward ends
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused_parameter():
+    torch.manual_seed(dist.get_rank())
+    model = _WithUnused()
+    ddp = DistributedDataParallel(model, bucket_mb=1e-4)
+    ddp(torch.randn(2, 4)).sum().backward()
+    return model.unused.weight.grad, model.used.weight.grad
+
+
+def test_a_parameter_without_gradient_does_not_hang_the_others():
+    results = minitp.launch(_unused_parameter, 2, timeout=30, echo=False)
+    assert torch.equal(results[0][0], torch.zeros(4, 4))
+    torch.testing.assert_close(results[0][1], results[1][1])  # the used one is averaged
+
+
+def _split(batch_rows):
+    return split_batch(torch.arange(batch_rows))
+
+
+def test_split_batch_gives_disjoint_contiguous_slices():
+    results = minitp.launch(_split, 4, 8, echo=False)
+    assert [r.tolist() for r in results] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_batch_that_does_not_divide_is_refused_with_the_numbers():
+    with pytest.raises(minitp.RankError, match="a batch of 10 rows is not divisible by the 4 ranks"):
+        minitp.launch(_split, 4, 10, echo=False)
+
+
+def _sampler_and_metric(epoch):
+    sampler = DistributedSampler(12, seed=1)
+    sampler.set_epoch(epoch)
+    return list(sampler), all_reduce_mean(float(dist.get_rank()))
+
+
+def test_sampler_deals_every_index_once_and_metrics_average():
+    results = minitp.launch(_sampler_and_metric, 3, 0, echo=False)
+    indices = [i for r in results for i in r[0]]
+    assert sorted(indices) == list(range(12))
+    assert [r[1] for r in results] == [1.0, 1.0, 1.0]
+    again = minitp.launch(_sampler_and_metric, 3, 1, echo=False)
+    assert [r[0] for r in again] != [r[0] for r in results]  # a new epoch shuffles anew
+
+
+def _bad_bucket(mb):
+    DistributedDataParallel(nn.Linear(2, 2), bucket_mb=mb)
+
+
+@pytest.mark.parametrize("mb", [0, -1.0])
+def test_bucket_size_must_be_positive(mb):
+    with pytest.raises(minitp.RankError, match=f"bucket_mb must be > 0, got {mb}"):
+        minitp.launch(_bad_bucket, 1, mb, echo=False)

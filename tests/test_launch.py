@@ -1,0 +1,184 @@
+"""minitp.launch: results and output in rank order, failures end the run fast, nothing left behind."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import minitp
+from minitp import comm
+
+
+def no_children_left() -> bool:
+    time.sleep(0.2)
+    return [c for c in psutil.Process().children(recursive=True) if c.is_running()
+            and c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def _rank_and_world(offset):
+    print(f"I am rank {dist.get_rank()} of {dist.get_world_size()}")
+    return dist.get_rank() + offset
+
+
+def test_results_and_output_come_back_in_rank_order(capsys):
+    results = minitp.launch(_rank_and_world, 4, 100)
+    assert list(results) == [100, 101, 102, 103]
+    assert results.outputs == [f"I am rank {r} of 4\n" for r in range(4)]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"[rank {r}] I am rank {r} of 4" for r in range(4)]
+    assert no_children_left()
+
+
+def test_one_rank_runs_without_a_second_process():
+    assert list(minitp.launch(_rank_and_world, 1, 7, echo=False)) == [7]
+
+
+def _all_reduce_labelled():
+    t = torch.ones(6)
+    comm.all_reduce(t, label="demo")
+    return t.sum().item()
+
+
+def test_each_ranks_trace_comes_back():
+    results = minitp.launch(_all_reduce_labelled, 3, echo=False)
+    assert list(results) == [18.0] * 3
+    for rank, tr in enumerate(results.traces):
+        (event,) = tr.comm()
+        assert (tr.rank, event.op, event.label, event.group, event.bytes) == (rank, "all_reduce", "demo",
+                                                                             (0, 1, 2), 24)
+        assert event.sent_bytes == pytest.approx(2 * 2 / 3 * 24)
+    assert results.sent_bytes() == pytest.approx([32.0] * 3)
+
+
+def _raise_on_rank_two():
+    if dist.get_rank() == 2:
+        raise ValueError("rank two refuses")
+    comm.all_reduce(torch.ones(3))  # the others wait in a collective rank 2 never joins
+    time.sleep(60)
+
+
+def test_a_raising_rank_ends_the_run_with_its_traceback():
+    t0 = time.perf_counter()
+    with pytest.raises(minitp.RankError) as info:
+        minitp.launch(_raise_on_rank_two, 4, timeout=60, echo=False)
+    assert time.perf_counter() - t0 < 10
+    assert info.value.rank == 2
+    assert "ValueError: rank two refuses" in str(info.value)
+    assert "_raise_on_rank_two" in info.value.remote_traceback
+    assert no_children_left()
+
+
+def _hang_on_rank_one():
+    if dist.get_rank() == 1:
+        time.sleep(120)
+    comm.all_reduce(torch.ones(3))
+
+
+def test_a_hanging_rank_ends_in_a_timeout_that_shows_where_each_rank_was():
+    t0 = time.perf_counter()
+    with pytest.raises(minitp.LaunchTimeout) as info:
+        minitp.launch(_hang_on_rank_one, 3, timeout=3, echo=False)
+    assert time.perf_counter() - t0 < 10
+    assert "timed out after 3 s" in str(info.value)
+    assert "_hang_on_rank_one" in info.value.stacks[1]
+    assert "all_reduce" in info.value.stacks[0]
+    assert no_children_left()
+
+
+def _exit_hard():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+def test_a_rank_that_dies_without_python_traceback_is_reported():
+    with pytest.raises(minitp.RankError, match="rank 1 died with exit code 3"):
+        minitp.launch(_exit_hard, 2, timeout=30, echo=False)
+    assert no_children_left()
+
+
+def _unpicklable():
+    return lambda_holder()
+
+
+class lambda_holder:
+    def __reduce__(self):
+        raise TypeError("cannot pickle this")
+
+
+def test_a_return_value_that_cannot_be_sent_back_is_a_clear_error():
+    with pytest.raises(minitp.RankError, match="could not be pickled"):
+        minitp.launch(_unpicklable, 2, echo=False)
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, "4", 2.0, True, None])
+def test_nprocs_must_be_a_positive_integer(nprocs):
+    with pytest.raises(ValueError, match="nprocs must be an integer >= 1"):
+        minitp.launch(_rank_and_world, nprocs, 0)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown backend 'mpi'; expected one of gloo, nccl"):
+        minitp.launch(_rank_and_world, 2, 0, backend="mpi")
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout must be"):
+        minitp.launch(_rank_and_world, 2, 0, timeout=0)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import minitp
+    from minitp import comm
+
+    def work(scale):  # defined in __main__: a new process could not import it
+        t = torch.full((2,), float(dist.get_rank()))
+        comm.all_reduce(t, label="script")
+        print("sum", t.tolist())
+        return t.sum().item() * scale
+
+    if __name__ == "__main__":
+        results = minitp.launch(work, int(sys.argv[1]), 10, start_method=sys.argv[2] if len(sys.argv) > 2 else None)
+        if os.environ.get("RANK", "0") == "0":  # the parent, or rank 0 under torchrun
+            print("RESULT", json.dumps({"values": list(results), "ops": [e.op for e in results.events]}))
+""")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_functions_from_a_scripts_main_run(tmp_path, start_method):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "2", start_method], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[rank 0] sum [1.0, 1.0]" in out.stdout and "[rank 1] sum [1.0, 1.0]" in out.stdout
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert result == {"values": [20.0, 20.0], "ops": ["all_reduce", "all_reduce"]}
+
+
+def test_the_same_worker_code_runs_under_torchrun(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), "2"], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"values": [20.0, 20.0], "ops": ["all_reduce", "all_reduce"]}
+
+
+def test_launch_under_torchrun_refuses_a_different_world_size(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ValueError, match=r"launch\(nprocs=4\) under torchrun, whose WORLD_SIZE is 2"):
+        minitp.launch(_rank_and_world, 4, 0)

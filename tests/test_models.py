@@ -1,0 +1,73 @@
+"""minitp.models: the plain model, its presets, data and reference loop."""
+
+import pytest
+import torch
+
+from minitp.models import (
+    LLAMA3_8B,
+    LLAMA3_70B,
+    TINY,
+    ModelConfig,
+    TrainConfig,
+    build_model,
+    generate,
+    get_config,
+    synthetic_batches,
+    train_reference,
+)
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY.with_(n_kv_heads=2), TINY.with_(n_layers=1, ffn_hidden=96)])
+def test_parameter_count_formula_matches_the_built_model(cfg):
+    model = build_model(cfg)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_llama3_presets_have_the_published_sizes():
+    assert round(LLAMA3_8B.num_params() / 1e9, 2) == 8.03
+    assert round(LLAMA3_70B.num_params() / 1e9, 1) == 70.6
+    assert get_config("llama3-8b") is LLAMA3_8B
+    with pytest.raises(ValueError, match="unknown model preset 'gpt2'"):
+        get_config("gpt2")
+
+
+def test_bad_config_names_the_numbers():
+    with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=4"):
+        ModelConfig(dim=30)
+    with pytest.raises(ValueError, match="n_heads=4 is not divisible by n_kv_heads=3"):
+        ModelConfig(n_kv_heads=3)
+
+
+def test_same_seed_same_model_and_data():
+    a, b = build_model(TINY, seed=3), build_model(TINY, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.output.weight, build_model(TINY, seed=4).output.weight)
+    train = TrainConfig(steps=2)
+    for (t1, y1), (t2, y2) in zip(synthetic_batches(TINY, train), synthetic_batches(TINY, train)):
+        assert torch.equal(t1, t2) and torch.equal(y1, y2)
+        assert torch.equal(t1[:, 1:], y1[:, :-1])  # targets are the tokens shifted by one
+
+
+def test_the_model_is_causal():
+    model = build_model(TINY)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 10))
+    changed = tokens.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % TINY.vocab_size
+    torch.testing.assert_close(model(tokens)[:, :6], model(changed)[:, :6])
+
+
+def test_generation_with_the_cache_equals_recomputing_everything():
+    model = build_model(TINY.with_(n_kv_heads=2))
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    out = generate(model, prompt, 6)
+    full = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            full = torch.cat([full, model(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, full)
+
+
+def test_the_reference_loop_learns():
+    losses, _ = train_reference(TINY, TrainConfig(steps=80))
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(128.0)).item(), abs=0.1)  # uniform guess
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
