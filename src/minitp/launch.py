@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -134,11 +135,16 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
     t0 = time.perf_counter()
     procs = []
     try:
-        for rank in range(nprocs):
-            p = ctx.Process(target=_worker, args=(rank, nprocs, payload, backend, workdir, timeout),
-                            name=f"minitp-rank{rank}", daemon=True)
-            p.start()
-            procs.append(p)
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns on forking a threaded process (a Jupyter kernel always is). The
+            # hazard is a child using a lock or thread pool the parent held; each rank starts by
+            # forcing one torch thread and touches nothing of the parent's threads.
+            warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+            for rank in range(nprocs):
+                p = ctx.Process(target=_worker, args=(rank, nprocs, payload, backend, workdir, timeout),
+                                name=f"minitp-rank{rank}", daemon=True)
+                p.start()
+                procs.append(p)
         results = _wait(procs, workdir, timeout, t0)
         outputs, errors = _read_outputs(workdir, nprocs)
         if echo:
