@@ -260,3 +260,59 @@ def gather_from_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str 
 def split_to_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str = "tp") -> torch.Tensor:
     """Keep this rank's slice along ``dim`` (forward); backward all-gathers the gradient."""
     return _SplitToParallel.apply(x, group, dim, label)
+
+
+# Sequence parallel: between tensor-parallel regions the activations are split along the sequence
+# instead of copied, so g's all-reduce becomes a reduce-scatter and f's identity an all-gather.
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group, label: str) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
+    chunks = torch.stack(x.chunk(n, dim=dim))  # (n, *chunk): rank i keeps the sum of row i
+    out = torch.empty_like(chunks[0])
+    reduce_scatter(out.view(-1), chunks.view(-1), group=group, label=label)
+    return out
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """All-gather along ``dim`` forward, reduce-scatter of the gradient backward.
+
+    Backward is a reduce-scatter, not a split: every rank feeds the gathered tensor to its own slice
+    of a column-parallel layer, so each holds a partial gradient for every position, and the
+    gradient of this rank's positions is the sum of those partials.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, dim, label):
+        ctx.group, ctx.dim, ctx.label = group, dim, label
+        return _gather_along(x, dim, group, label + "/sequence_gather.forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_along(grad.contiguous(), ctx.dim, ctx.group,
+                                     ctx.label + "/sequence_gather.backward"), None, None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward (sum the partial results, keep this rank's positions),
+    all-gather of the gradient backward (every position's gradient reaches every partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, label):
+        ctx.group, ctx.dim, ctx.label = group, dim, label
+        return _reduce_scatter_along(x.contiguous(), dim, group, label + "/sequence_scatter.forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_along(grad, ctx.dim, ctx.group, ctx.label + "/sequence_scatter.backward"), None, None, None
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1, label: str = "tp") -> torch.Tensor:
+    """Sequence parallel's f: all-gather the positions along ``dim``; backward reduce-scatters."""
+    return _GatherFromSequenceParallel.apply(x, group, dim, label)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1, label: str = "tp") -> torch.Tensor:
+    """Sequence parallel's g: sum partial results and keep this rank's positions along ``dim``;
+    backward all-gathers the gradient."""
+    return _ReduceScatterToSequenceParallel.apply(x, group, dim, label)

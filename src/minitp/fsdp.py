@@ -1,0 +1,470 @@
+"""Fully sharded data parallel (ZeRO-1, 2 and 3) from scratch.
+
+Data parallel keeps a whole copy of the model, its gradients and its optimizer state on every rank:
+16 bytes per parameter with Adam, whatever the number of ranks. ZeRO notices that each rank only
+needs all of it for a moment, and splits it instead:
+
+* The model is cut into **units** (by default every transformer block, plus the root that keeps
+  what is left: embedding, final norm, head). A unit's parameters are laid side by side in one flat
+  buffer, padded with zeros to a multiple of the world size ``n``, and rank ``r`` keeps the ``r``-th
+  of ``n`` equal slices: its **shard**. The padding is never viewed as a parameter, gets a zero
+  gradient, and so stays zero and never reaches a result.
+* **ZeRO-3** keeps only shards between steps. Before a unit's forward its full parameters are
+  all-gathered, used, and freed after (``reshard_after_forward``) or kept until backward. Backward
+  gathers them again, and the unit's gradient is reduce-scattered: each rank keeps the summed
+  gradient of its own shard only. The optimizer steps on shards.
+* **ZeRO-2** keeps the full parameters on every rank but still reduce-scatters each unit's
+  gradient during backward and frees the full gradient; after the step the updated shards are
+  all-gathered back into the full parameters.
+* **ZeRO-1** shards only the optimizer state: the full gradient is kept (it is what backward
+  accumulates into), its own slice overwritten with the averaged gradient the optimizer reads.
+  It sends what ZeRO-2 sends.
+
+ZeRO-1 and 2 send exactly what DDP sends (a reduce-scatter plus an all-gather is an all-reduce);
+ZeRO-3 sends 1.5 times that, for 1/n of the memory (``minitp.cost.fsdp_step_bytes`` has the bytes).
+
+Also here: prefetch (the next unit's all-gather is started before this unit computes, so it
+overlaps), bf16 mixed precision (the ZeRO paper's recipe: bf16 parameters and gradients, gathered
+and computed in bf16, an fp32 master shard that the optimizer steps, gradients summed over ranks in
+fp32), activation checkpointing of the wrapped blocks, and gathering the full state dict.
+
+The model stays plain: its parameters are replaced by views into the units' flat buffers, set as
+ordinary tensor attributes before each forward, so its own code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from minitp import comm
+from minitp.models import TransformerBlock
+
+WrapPolicy = Callable[[str, nn.Module], bool]
+
+
+def wrap_blocks(name: str, module: nn.Module) -> bool:
+    """The default wrapping policy: every transformer block is a unit; the root keeps the rest."""
+    return isinstance(module, TransformerBlock)
+
+
+# -- planning the units (no process group needed, so it can be checked and costed anywhere) ----------
+@dataclass
+class ParamSlot:
+    """Where one of the model's parameters lives inside its unit's flat buffer."""
+
+    name: str  # full name in the plain model, e.g. "layers.0.attention.wq.weight"
+    owner: nn.Module  # the module whose attribute it is
+    attr: str  # "weight"
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class UnitPlan:
+    name: str  # "root" or the wrapped module's name, e.g. "layers.1"
+    module: nn.Module
+    slots: list[ParamSlot]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+def plan_units(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks) -> list[UnitPlan]:
+    """Cut ``model`` into units: the root first (what no wrapped module claims), then each module
+    the policy wraps, in the order the model registers them (which must be the order forward runs
+    them, since prefetch follows it). A module inside a wrapped one belongs to the outer unit.
+
+    Raises a ``ValueError`` for what would go wrong later: a wrapped module with no parameters, a
+    unit with fewer elements than ranks (some rank would hold nothing but padding), a parameter
+    shared by two modules, a dtype other than float32 (the master copy is fp32).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    counts: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        counts.setdefault(id(p), []).append(name)
+    for names in counts.values():
+        if len(names) > 1:
+            raise ValueError(f"a parameter shared between {' and '.join(names)}: minitp.fsdp gives every "
+                             "parameter one place in one unit; untie the weights")
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32:
+            raise ValueError(f"unsupported dtype: {name} is {p.dtype}, expected torch.float32 (the sharded "
+                             "master weights are fp32; ask for bf16 compute with mixed_precision=torch.bfloat16)")
+
+    wrapped: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(w + ".") for w, _ in wrapped):
+            continue
+        if wrap(name, module):
+            wrapped.append((name, module))
+    claimed: set[int] = set()
+    plans = []
+    for name, module in wrapped:
+        params = list(module.named_parameters(prefix=name))
+        if not params:
+            raise ValueError(f"a unit with no parameters: {name} ({type(module).__name__}); the wrapping "
+                             "policy chose a module that holds nothing to shard")
+        plans.append(UnitPlan(name, module, _slots(model, params)))
+        claimed.update(id(p) for _, p in params)
+    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in claimed]
+    if rest:
+        plans.insert(0, UnitPlan("root", model, _slots(model, rest)))
+    for plan in plans:
+        if plan.numel < world_size:
+            raise ValueError(f"unit {plan.name} has {plan.numel} elements, fewer than the {world_size} ranks: "
+                             f"ranks {plan.numel}..{world_size - 1} would hold nothing but padding; wrap it "
+                             "together with more parameters or use fewer ranks")
+    return plans
+
+
+def _slots(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> list[ParamSlot]:
+    slots, offset = [], 0
+    for name, p in named:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        slots.append(ParamSlot(name, owner, attr, p.shape, offset))
+        offset += p.numel()
+    return slots
+
+
+def unit_numels(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks) -> list[int]:
+    """Elements of each unit (root first), unpadded: what ``minitp.cost.fsdp_*`` take."""
+    return [plan.numel for plan in plan_units(model, world_size, wrap)]
+
+
+# -- a unit at run time ---------------------------------------------------------------------------------
+@dataclass
+class Unit:
+    """One flat-sharded group of parameters and everything this rank keeps for it.
+
+    Between steps (P = padded elements, P/n per shard, c = compute dtype: fp32, or bf16 in mixed
+    precision):
+      ZeRO-1: full (P, c) + grad_full (P, c) + master/moments (P/n)
+      ZeRO-2: full (P, c) + grad_shard (P/n, c) + master/moments (P/n)
+      ZeRO-3: shard (P/n, c) + grad_shard (P/n, c) + master/moments (P/n)   (full's storage freed)
+    In fp32 the master *is* the parameter shard (a view into ``full`` for ZeRO-1/2); in mixed
+    precision it is a separate fp32 shard, counted with the optimizer state as in the ZeRO paper.
+    """
+
+    name: str
+    plan: UnitPlan
+    padded: int  # P: elements, rounded up to a multiple of n
+    full: torch.Tensor  # (P,) leaf; the parameters are views into it; storage freed when resharded
+    shard: torch.Tensor  # (P/n,) this rank's slice, compute dtype: the all-gather's input
+    master: nn.Parameter  # (P/n,) fp32: what the optimizer steps
+    grad_full: torch.Tensor | None = None  # ZeRO-1 only: (P,) the kept full gradient
+    grad_shard: torch.Tensor | None = None  # (P/n,) the averaged gradient of this rank's shard
+    gathered: bool = False  # does ``full`` hold the parameters right now?
+    gather: comm.Handle | None = field(default=None, repr=False)  # a prefetch in flight
+    reducing: tuple | None = field(default=None, repr=False)  # (handle, output, input) in flight
+    reduced: bool = False  # has this backward reduced its gradient yet?
+
+    @property
+    def shard_numel(self) -> int:
+        return self.shard.numel()
+
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Wrap a plain model so that each rank holds a shard of it (ZeRO stage ``zero``).
+
+    module: the plain model, built the same way (same seed) on every rank; each rank keeps its
+        slices and drops the rest, so nothing is sent at start-up.
+    group: the data-parallel process group (None: the world).
+    zero: 1 (optimizer state sharded), 2 (gradients too), 3 (parameters too).
+    wrap: the wrapping policy, ``(name, module) -> bool``; the root unit keeps what it leaves.
+    reshard_after_forward: ZeRO-3: free a unit's gathered parameters after its forward and gather
+        them again for backward (less memory, one more all-gather). The root is never resharded:
+        backward starts with it. (ZeRO-1/2 hold full parameters, so this and prefetch do nothing.)
+    prefetch: start the next unit's all-gather before this unit computes.
+    mixed_precision: None (fp32) or torch.bfloat16.
+    checkpoint: activation checkpointing of the wrapped modules (recomputed in backward).
+
+    Use ``optimizer = fsdp.attach(torch.optim.AdamW(fsdp.parameters(), ...))``: the optimizer sees
+    only the fp32 shards, and its step hooks do what follows a step (copy the master into bf16,
+    all-gather the updated shards for ZeRO-1/2).
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, zero: int = 3,
+                 wrap: WrapPolicy = wrap_blocks, reshard_after_forward: bool = True, prefetch: bool = True,
+                 mixed_precision: torch.dtype | None = None, checkpoint: bool = False):
+        super().__init__()
+        if zero not in (1, 2, 3):
+            raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+        if mixed_precision not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"unsupported dtype: mixed_precision={mixed_precision}, expected None or "
+                             "torch.bfloat16 (float16 would need loss scaling, which minitp does not do)")
+        self.module, self.group, self.zero = module, group, zero
+        self.world_size, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.reshard_after_forward, self.prefetch, self.checkpoint = reshard_after_forward, prefetch, checkpoint
+        self.compute_dtype = mixed_precision or torch.float32
+        self.mixed = self.compute_dtype != torch.float32
+        self.param_names = [name for name, _ in module.named_parameters()]
+        self.units = [self._make_unit(plan) for plan in plan_units(module, self.world_size, wrap)]
+        self.root = self.units[0] if self.units[0].name == "root" else None
+        # Registered here, the shards are all that ``self.parameters()`` yields: the plain model's
+        # parameters were removed from it.
+        self.shards = nn.ParameterList([u.master for u in self.units])
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.gathered_bytes = sum(u.full_bytes() for u in self.units if u.gathered)
+        self.gathered_peak = self.gathered_bytes
+        self._in_flight: Unit | None = None  # the unit whose reduce-scatter is still running
+        self._callback_queued = False
+        for unit in self.units:
+            unit.full.register_post_accumulate_grad_hook(functools.partial(self._reduce_gradient, unit))
+            if unit is self.root:
+                continue
+            module_ = unit.plan.module
+            module_.register_forward_pre_hook(functools.partial(self._before_forward, unit))
+            module_.register_forward_hook(functools.partial(self._after_forward, unit))
+            if checkpoint:  # the hooks stay outside; backward reruns only the block's own forward
+                module_.forward = functools.partial(_checkpoint, module_.forward, use_reentrant=False)
+
+    @torch.no_grad()
+    def _make_unit(self, plan: UnitPlan) -> Unit:
+        n, r = self.world_size, self.rank
+        padded = -(-plan.numel // n) * n
+        s = padded // n
+        flat = torch.zeros(padded, dtype=torch.float32, device=_device_of(plan))  # (P,)
+        for slot in plan.slots:
+            flat[slot.offset:slot.offset + slot.numel] = getattr(slot.owner, slot.attr).reshape(-1)
+            del slot.owner._parameters[slot.attr]  # the model keeps a plain attribute from now on
+        if self.zero == 3:
+            full = torch.empty(padded, dtype=self.compute_dtype, device=flat.device)
+            master = nn.Parameter(flat[r * s:(r + 1) * s].clone())  # (P/n,) fp32
+            shard = master.detach().to(self.compute_dtype) if self.mixed else master.detach()
+        else:  # ZeRO-1/2: full parameters held; the shard is a view of this rank's slice of them
+            full = flat.to(self.compute_dtype)
+            shard = full[r * s:(r + 1) * s]
+            master = nn.Parameter(flat[r * s:(r + 1) * s].clone() if self.mixed else shard)
+        full.requires_grad_(True)
+        unit = Unit(plan.name, plan, padded, full, shard, master, gathered=self.zero < 3)
+        self._set_views(unit)  # the attributes exist from now on; ZeRO-3's point at freed storage
+        if self.zero == 3:
+            full.untyped_storage().resize_(0)  # nothing gathered yet
+        return unit
+
+    # -- the parameters the model sees ------------------------------------------------------------
+    def _set_views(self, unit: Unit) -> None:
+        """Point the model's attributes at views of the unit's full buffer. Under grad mode the
+        views come from one ``split``, so backward gathers every parameter's gradient into one
+        full-size ``unit.full.grad`` (the padding's part zero), then calls ``_reduce_gradient``."""
+        sizes = [slot.numel for slot in unit.plan.slots]
+        pieces = unit.full.split([*sizes, unit.padded - sum(sizes)])
+        for slot, piece in zip(unit.plan.slots, pieces):
+            setattr(slot.owner, slot.attr, piece.view(slot.shape))
+
+    def _unshard(self, unit: Unit, phase: str, async_op: bool = False) -> None:
+        """Make ``unit.full`` hold the parameters: all-gather every rank's shard into it."""
+        if unit.gather is not None:  # prefetched: wait for it only when it is needed
+            if not async_op:
+                unit.gather.wait()
+                unit.gather = None
+            return
+        if unit.gathered:
+            return
+        unit.full.untyped_storage().resize_(unit.full_bytes())
+        self._count_gathered(unit.full_bytes())
+        handle = comm.all_gather(unit.full.data, unit.shard, self.group, async_op=async_op,
+                                 label=f"fsdp/{unit.name}/all_gather.{phase}")
+        unit.gathered, unit.gather = True, handle
+
+    def _reshard(self, unit: Unit) -> None:
+        """ZeRO-3: free the gathered parameters (the views keep pointing at the empty storage)."""
+        if self.zero < 3 or not unit.gathered:
+            return
+        if unit.gather is not None:
+            unit.gather.wait()
+            unit.gather = None
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False
+        self._count_gathered(-unit.full_bytes())
+
+    def _count_gathered(self, delta: int) -> None:
+        self.gathered_bytes += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+
+    def _next(self, unit: Unit, step: int) -> Unit | None:
+        i = self.units.index(unit) + step
+        return self.units[i] if 0 <= i < len(self.units) else None
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.optimizer is None:
+            raise RuntimeError("no optimizer attached: use optimizer = fsdp.attach(torch.optim.AdamW("
+                               "fsdp.parameters(), ...)) before training; its step hooks finish each step")
+        if self.root is not None:
+            self._unshard(self.root, "forward")
+            self._set_views(self.root)
+            self._prefetch(self.root, +1, "forward")
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(self._on_backward_start)
+        else:  # no backward will come to free them
+            for unit in self.units:
+                self._reshard(unit)
+        return out
+
+    def _prefetch(self, unit: Unit, step: int, phase: str) -> None:
+        nxt = self._next(unit, step)
+        if self.prefetch and nxt is not None and nxt is not self.root:
+            self._unshard(nxt, phase, async_op=True)
+
+    def _before_forward(self, unit: Unit, module, args) -> None:
+        self._unshard(unit, "forward")
+        self._prefetch(unit, +1, "forward")
+        self._set_views(unit)
+
+    def _after_forward(self, unit: Unit, module, args, output) -> None:
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._reshard(unit)
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(functools.partial(self._before_backward, unit))
+
+    # -- backward -------------------------------------------------------------------------------
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if not self._callback_queued:  # runs once, when this whole backward pass is over
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+
+    def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        """Called with the gradient of the unit's output, just before the unit's own backward."""
+        self._unshard(unit, "backward")
+        self._prefetch(unit, -1, "backward")
+
+    @torch.no_grad()
+    def _reduce_gradient(self, unit: Unit, full: torch.Tensor) -> None:
+        """The unit's full gradient is complete: start its reduce-scatter (in fp32), keep at most
+        one in flight (the previous one is finished first, so its buffers are freed), and free the
+        gathered parameters (ZeRO-3)."""
+        self._on_backward_start(full)
+        grad, full.grad = full.grad, None  # (P,) compute dtype: this rank's local gradient
+        if self._in_flight is not None:
+            self._finish_reduce(self._in_flight)
+        send = grad.float() if self.mixed else grad  # (P,) fp32: the sum over ranks is taken in fp32
+        send.div_(self.world_size)  # the mean over ranks = the gradient of the whole batch
+        out = torch.empty(unit.shard_numel, dtype=torch.float32, device=send.device)  # (P/n,)
+        handle = comm.reduce_scatter(out, send, self.group, async_op=True, label=f"fsdp/{unit.name}/reduce_scatter")
+        unit.reducing, unit.reduced, self._in_flight = (handle, out, send), True, unit
+        if self.zero == 1:
+            unit.grad_full = grad  # kept whole; its own slice gets the averaged gradient
+        self._reshard(unit)
+
+    @torch.no_grad()
+    def _finish_reduce(self, unit: Unit) -> None:
+        handle, out, _ = unit.reducing
+        handle.wait()
+        if self.zero == 1:
+            s = unit.shard_numel
+            unit.grad_shard = unit.grad_full[self.rank * s:(self.rank + 1) * s]
+            unit.grad_shard.copy_(out)  # (rounded to bf16 in mixed precision)
+        else:
+            unit.grad_shard = out.to(self.compute_dtype)  # the fp32 buffer itself when fp32
+        if not self.mixed:
+            unit.master.grad = unit.grad_shard
+        unit.reducing, self._in_flight = None, None
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        for unit in self.units:
+            if not unit.reduced:  # took no part in this forward: it still joins the collective
+                unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
+                self._reduce_gradient(unit, unit.full)
+        if self._in_flight is not None:
+            self._finish_reduce(self._in_flight)
+        for unit in self.units:
+            unit.reduced = False
+            self._reshard(unit)
+        self._callback_queued = False
+
+    # -- the optimizer step -----------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Hook into an optimizer built on ``self.parameters()`` (the fp32 shards); returns it."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if stepped != {id(u.master) for u in self.units}:
+            raise ValueError(f"the optimizer steps {len(stepped)} tensors, expected exactly the "
+                             f"{len(self.units)} shards of fsdp.parameters()")
+        optimizer.register_step_pre_hook(lambda *_: self._before_step())
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self.optimizer = optimizer
+        return optimizer
+
+    @torch.no_grad()
+    def _before_step(self) -> None:
+        if self.mixed:  # the optimizer reads an fp32 gradient, only for the length of the step
+            for unit in self.units:
+                unit.master.grad = None if unit.grad_shard is None else unit.grad_shard.float()
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        if self.mixed:
+            for unit in self.units:
+                unit.master.grad = None
+                unit.shard.copy_(unit.master)  # fp32 master -> bf16 shard
+        if self.zero < 3:  # every rank updated its slice only: gather the full parameters back
+            handles = [comm.all_gather(u.full.data, u.shard.clone(), self.group, async_op=True,
+                                       label=f"fsdp/{u.name}/all_gather.step") for u in self.units]
+            for handle in handles:
+                handle.wait()
+
+    # -- checking and saving ----------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, in fp32, under its plain-model name (on every rank): the fp32
+        master shards all-gathered, then cut at the parameter boundaries (padding dropped)."""
+        out = {}
+        for unit in self.units:
+            flat = torch.empty(unit.padded, dtype=torch.float32, device=unit.master.device)  # (P,)
+            comm.all_gather(flat, unit.master.detach(), self.group, label=f"fsdp/{unit.name}/all_gather.state_dict")
+            for slot in unit.plan.slots:
+                out[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return {name: out[name] for name in self.param_names}
+
+    def held_bytes(self) -> dict[str, int]:
+        """{"params", "grads", "optimizer"}: bytes this rank holds, counted from the tensors (each
+        storage once), in the ZeRO paper's split: in mixed precision the fp32 master shard is
+        optimizer state. Compare with ``minitp.cost.fsdp_memory_per_rank``."""
+        params = [u.full if self.zero < 3 else u.shard for u in self.units]
+        grads = [u.grad_full if self.zero == 1 else u.grad_shard for u in self.units]
+        grads += [u.master.grad for u in self.units]  # the same storage in fp32; None in mixed
+        state = [u.master for u in self.units] if self.mixed else []
+        if self.optimizer is not None:
+            for s in self.optimizer.state.values():
+                state.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+        return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
+                "optimizer": _storage_bytes(state)}
+
+    def unit_numels(self) -> list[int]:
+        return [u.plan.numel for u in self.units]
+
+
+def _device_of(plan: UnitPlan) -> torch.device:
+    slot = plan.slots[0]
+    return getattr(slot.owner, slot.attr).device
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
