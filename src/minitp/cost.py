@@ -357,3 +357,123 @@ def pp_peak_microbatches_in_flight(pp: int, microbatches: int, stage: int, sched
     if schedule == "1f1b":
         return min(pp - stage, microbatches)
     raise ValueError(f"unknown schedule {schedule!r}; expected gpipe or 1f1b")
+
+
+# -- 3D: data × pipeline × tensor parallel, and the layout planner -----------------------------------
+# A rank at mesh position (d, s, t) holds stage s's blocks, each matrix split over tp (the RMSNorm
+# weights replicated), the first stage also the embedding (V/tp rows), the last the final norm and the
+# output layer (V/tp rows). It reads B/dp sequences of the global batch, cut into m micro-batches when
+# pp > 1. Per step it sends, in each dimension (A = (B/dp)·S·D·b, the activations of its whole share):
+#
+#   tp   its stage's part of tp_step_bytes at batch B/dp: 4 all-reduces of A per block, 1 for the
+#        embedding (first stage), 1 for the output layer and the loss's (B/dp)·S·12 bytes (last stage)
+#   pp   pp_step_bytes at batch B/dp: A forward unless last, A backward unless first
+#   dp   DDP: an all-reduce of its Ψ_rank gradients; FSDP: fsdp_step_bytes of its units over dp
+#
+# A dimension of size 1 sends nothing (every formula above gives 0 at n = 1).
+
+def stage_num_blocks(n_layers: int, pp: int, stage: int) -> int:
+    """How many blocks stage ``stage`` of ``pp`` holds (``minitp.pp.stage_blocks``: as even as possible,
+    the spare ones to the first stages)."""
+    if pp > n_layers:
+        raise ValueError(f"pp={pp} stages but the model has {n_layers} blocks: every stage needs at least one block")
+    size, spare = divmod(n_layers, pp)
+    return size + (stage < spare)
+
+
+def check_3d_layout(cfg, dp: int, pp: int, tp: int, world_size: int | None = None) -> None:
+    """Refuse a layout the model cannot take, naming the numbers (mesh product, tp splits, pp stages)."""
+    for name, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    if world_size is not None and dp * pp * tp != world_size:
+        raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but the world has {world_size} ranks")
+    for what, size in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden),
+                       ("vocab_size", cfg.vocab_size)):
+        if size % tp:
+            raise ValueError(f"tp={tp} does not divide {what}={size}")
+    if pp > cfg.n_layers:
+        raise ValueError(f"pp={pp} stages but the model has {cfg.n_layers} blocks: every stage needs at least "
+                         "one block")
+
+
+def stage_unit_numels(cfg, tp: int, pp: int, stage: int) -> list[int]:
+    """Parameters a rank of stage ``stage`` holds, per FSDP unit (root first when it has any: the
+    embedding on the first stage, final norm and output layer on the last), after the tp split."""
+    d, v = cfg.dim, cfg.vocab_size
+    per_block = (cfg.num_params() - 2 * v * d - d) // cfg.n_layers  # its 2 norm weights included
+    block = (per_block - 2 * d) // tp + 2 * d
+    root = (v * d // tp if stage == 0 else 0) + (d + d * v // tp if stage == pp - 1 else 0)
+    return ([root] if root else []) + [block] * stage_num_blocks(cfg.n_layers, pp, stage)
+
+
+def stage_num_tensors(cfg, pp: int, stage: int) -> int:
+    """Parameter tensors a rank of stage ``stage`` holds: 9 per block (wq wk wv wo w1 w2 w3 and two
+    norms), the embedding on the first stage, the final norm and output layer on the last."""
+    return 9 * stage_num_blocks(cfg.n_layers, pp, stage) + (stage == 0) + 2 * (stage == pp - 1)
+
+
+def threed_params_per_rank(cfg, tp: int, pp: int, stage: int) -> int:
+    """Ψ_rank: parameters a rank of stage ``stage`` holds under tp (before any data-parallel sharding)."""
+    return sum(stage_unit_numels(cfg, tp, pp, stage))
+
+
+def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stage: int, dp_rank: int = 0,
+                      data_parallel: str = "ddp", zero: int = 3, steps: int = 1, activation_bytes: int = 4,
+                      param_bytes: int = 4, grad_bytes: int = 4, start_up: bool = False,
+                      state_dict: bool = False) -> dict[str, float]:
+    """Bytes a rank at (dp_rank, stage, ·) sends over ``steps`` steps, per dimension: {"tp","pp","dp"}.
+
+    data_parallel: "ddp" (an all-reduce of the gradients; with ``start_up`` the first rank's
+    broadcast of the parameters) or "fsdp" (ZeRO ``zero``; with ``state_dict`` the final all-gather
+    of the full parameters). FSDP's parameter gathers use ``param_bytes``, its gradient sums 4 bytes.
+    """
+    if batch % dp:
+        raise ValueError(f"batch_size={batch} is not divisible by dp={dp}")
+    b, d = batch // dp, cfg.dim
+    a = b * seq * d * activation_bytes
+    first, last = stage == 0, stage == pp - 1
+    tp_bytes = stage_num_blocks(cfg.n_layers, pp, stage) * tp_block_bytes(b, seq, d, tp, False, activation_bytes)
+    if first:  # the embedding's g
+        tp_bytes += collective_sent_bytes("all_reduce", a, tp)
+    if last:  # the output layer's f, and the loss's max and (sum of exps, target logit), fp32
+        tp_bytes += collective_sent_bytes("all_reduce", a, tp)
+        tp_bytes += collective_sent_bytes("all_reduce", b * seq * 4, tp)
+        tp_bytes += collective_sent_bytes("all_reduce", 2 * b * seq * 4, tp)
+    pp_bytes = pp_step_bytes(b, seq, d, pp, stage, activation_bytes)
+    numels = stage_unit_numels(cfg, tp, pp, stage)
+    if data_parallel == "ddp":
+        dp_bytes = ddp_run_bytes(sum(numels), dp, steps, dp_rank, param_bytes, grad_bytes, start_up) / steps
+    elif data_parallel == "fsdp":
+        dp_bytes = fsdp_run_bytes(numels, dp, steps, zero, True, param_bytes, 4, stage == 0 or last, state_dict) / steps
+    else:
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    return {"tp": steps * tp_bytes, "pp": steps * pp_bytes, "dp": steps * dp_bytes}
+
+
+def threed_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, data_parallel: str = "ddp",
+                           zero: int = 3, precision: str = "fp32") -> dict[str, float]:
+    """Bytes a rank of stage ``stage`` holds in parameters, gradients and AdamW state: its own Ψ_rank,
+    sharded over dp by FSDP (ZeRO ``zero``; units padded to a multiple of dp) or whole under DDP."""
+    if data_parallel == "fsdp" and dp > 1:
+        return fsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage), dp, zero, precision)
+    return memory_per_rank(threed_params_per_rank(cfg, tp, pp, stage), 1, zero=0, precision=precision,
+                           num_tensors=stage_num_tensors(cfg, pp, stage))
+
+
+def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
+                              microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
+                              recompute: bool = False) -> float:
+    """An estimate (not measured by minitp) of the activations a rank keeps for backward under 1F1B,
+    after Korthikanti et al. 2022 (tensor parallel without sequence parallel): per block and
+    micro-batch s·b·D·(10 + 24/tp) bytes in 16-bit, plus 5·H·s²·b/tp for the attention scores unless
+    ``flash_attention`` (which never stores them); with ``recompute`` (full activation recomputation)
+    only each block's input, 2·s·b·D. Scaled by ``dtype_bytes``/2, times the stage's blocks, times the
+    micro-batches in flight (min(pp - stage, m))."""
+    s, b, d = seq, micro_batch, cfg.dim
+    if recompute:
+        per_block = 2 * s * b * d
+    else:
+        per_block = s * b * d * (10 + 24 / tp) + (0 if flash_attention else 5 * cfg.n_heads * s * s * b / tp)
+    in_flight = min(pp - stage, microbatches)
+    return per_block * dtype_bytes / 2 * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight

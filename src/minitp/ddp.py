@@ -110,6 +110,13 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    @torch.no_grad()
+    def all_reduce_gradients(self) -> None:
+        """Average the gradients now, every bucket at once: after backward passes run under
+        ``no_sync`` (a pipeline's micro-batches each run their own backward), the accumulated
+        sum is sent once per step, as the end of a synchronised backward would send it."""
+        self._finish_backward()
+
     # -- start-up ------------------------------------------------------------------------------
     @torch.no_grad()
     def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -225,6 +226,7 @@ class FullyShardedDataParallel(nn.Module):
         self.gathered_peak = self.gathered_bytes
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter is still running
         self._callback_queued = False
+        self._sync = True  # False inside no_sync(): gradients accumulate, nothing is sent
         for unit in self.units:
             unit.full.register_post_accumulate_grad_hook(functools.partial(self._reduce_gradient, unit))
             if unit is self.root:
@@ -352,7 +354,14 @@ class FullyShardedDataParallel(nn.Module):
         """The unit's full gradient is complete: start its reduce-scatter (in fp32), keep at most
         one in flight (the previous one is finished first, so its buffers are freed), and free the
         gathered parameters (ZeRO-3)."""
+        if not self._sync:  # no_sync: autograd keeps adding into full.grad
+            return
         self._on_backward_start(full)
+        self._start_reduce(unit)
+
+    @torch.no_grad()
+    def _start_reduce(self, unit: Unit) -> None:
+        full = unit.full
         grad, full.grad = full.grad, None  # (P,) compute dtype: this rank's local gradient
         if self._in_flight is not None:
             self._finish_reduce(self._in_flight)
@@ -381,7 +390,7 @@ class FullyShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        for unit in self.units:
+        for unit in self.units if self._sync else ():
             if not unit.reduced:  # took no part in this forward: it still joins the collective
                 unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
                 self._reduce_gradient(unit, unit.full)
@@ -391,6 +400,34 @@ class FullyShardedDataParallel(nn.Module):
             unit.reduced = False
             self._reshard(unit)
         self._callback_queued = False
+
+    # -- gradient accumulation (a pipeline's micro-batches) -----------------------------------------
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside add each unit's full gradient into ``unit.full.grad`` and send
+        nothing; ``reduce_gradients()`` then reduce-scatters the sum, once. ZeRO-1 only: ZeRO-2 and 3
+        give up the full gradient during backward, and accumulating it is what they save (DeepSpeed
+        allows only ZeRO-1 with pipeline parallelism, for the same reason)."""
+        if self.zero != 1:
+            raise ValueError(f"no_sync needs zero=1 (the full gradient kept through backward), got zero={self.zero}")
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter every unit's accumulated gradient (after backward passes under ``no_sync``),
+        as the end of a synchronised backward would."""
+        for unit in self.units:
+            if unit.full.grad is None:  # no backward reached it: it still joins the collective
+                unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
+            self._start_reduce(unit)
+        if self._in_flight is not None:
+            self._finish_reduce(self._in_flight)
+        for unit in self.units:
+            unit.reduced = False
 
     # -- the optimizer step -----------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

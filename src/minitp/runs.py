@@ -84,6 +84,11 @@ def check(report: dict, tolerance: float | None = None) -> list[str]:
     for rank, (traced, expected) in enumerate(zip(report["comm_bytes_traced"], report["comm_bytes_expected"])):
         if not math.isclose(traced, expected, rel_tol=1e-9, abs_tol=1e-6):
             problems.append(f"rank {rank} sent {traced:,.1f} bytes, the formula says {expected:,.1f}")
+    for rank, (traced, expected) in enumerate(zip(report.get("comm_bytes_traced_by_dim", []),
+                                                  report.get("comm_bytes_expected_by_dim", []))):
+        for dim, value in expected.items():  # 3d: each mesh dimension on its own
+            if not math.isclose(traced[dim], value, rel_tol=1e-9, abs_tol=1e-6):
+                problems.append(f"rank {rank} sent {traced[dim]:,.1f} bytes over {dim}, the formula says {value:,.1f}")
     for rank, (held, formula) in enumerate(zip(report["memory"], report["memory_expected"])):
         for kind in ("params", "grads", "optimizer"):
             if not math.isclose(held[kind], formula[kind], rel_tol=1e-9, abs_tol=1e-6):
@@ -107,7 +112,7 @@ def format_report(report: dict) -> str:
         "",
         f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'|diff|':>9}",
     ]
-    for s, (a, b) in enumerate(zip(report["loss"], report["reference_loss"])):
+    for s, (a, b) in enumerate(zip(report["loss"], report["reference_loss"]), start=report.get("start_step", 0)):
         lines.append(f"{s:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b):>9.2e}")
     diff, tol = report["max_abs_param_diff"], report.get("param_tolerance", PARAM_TOLERANCE)
     lines += ["", f"max |parameter - reference| = {diff:.2e}  "
@@ -125,6 +130,13 @@ def format_report(report: dict) -> str:
         lines += ["", "peak gathered parameters per rank (bytes): "
                   + ", ".join(f"{p:,}" for p in report["gathered_peak"])
                   + f"  (formula {report['gathered_peak_expected'][0]:,})"]
+    if "comm_bytes_traced_by_dim" in report:  # 3d: the bytes split by mesh dimension
+        lines += ["", f"{'rank':>4}  {'(dp,pp,tp)':>10}  "
+                      + "  ".join(f"{dim + ' traced':>12}  {dim + ' formula':>12}" for dim in ("tp", "pp", "dp"))]
+        for r, (t, e) in enumerate(zip(report["comm_bytes_traced_by_dim"], report["comm_bytes_expected_by_dim"])):
+            coords = "(" + ",".join(str(c) for c in report["coords"][r]) + ")"
+            lines.append(f"{r:>4}  {coords:>10}  "
+                         + "  ".join(f"{t[dim]:>12,.0f}  {e[dim]:>12,.0f}" for dim in ("tp", "pp", "dp")))
     if "bubble_fraction_measured" in report:
         lines += ["", f"schedule {report['schedule']}, {report['microbatches']} micro-batches; "
                       f"bubble (idle share of the step) measured {report['bubble_fraction_measured']:.3f}, "
@@ -500,3 +512,98 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
         peak_microbatches_in_flight_expected=[cost.pp_peak_microbatches_in_flight(nproc, microbatches, s, schedule)
                                               for s in range(nproc)],
         last_step_timeline=[[[a.kind, a.microbatch, s - t0, e - t0] for a, s, e in t] for t in last])
+
+
+# -- 3D: data × pipeline × tensor parallel -----------------------------------------------------------
+def _3d_worker(model_name: str, train: TrainConfig, layout: dict, options: dict, start_step: int,
+               resume_from: str | None, save_to: str | None) -> dict:
+    import torch.distributed as dist
+
+    from minitp import checkpoint
+    from minitp.mesh import Mesh, Parallel3D
+
+    cfg = get_config(model_name)
+    mesh = Mesh(layout["dp"], layout["pp"], layout["tp"])
+    par = Parallel3D(build_model(cfg, seed=train.seed), mesh, lr=train.lr, **options)
+    if resume_from:
+        checkpoint.load(par, resume_from, expected_step=start_step)
+    losses, times = [], []
+    for tokens, targets in synthetic_batches(cfg, train)[start_step:]:
+        t0 = time.perf_counter()
+        loss = par.train_step(tokens, targets)
+        times.append(time.perf_counter() - t0)
+        if loss is not None:  # only the last stage computes the loss
+            losses.append(loss)
+    memory = par.held_bytes()  # before anything is gathered
+    if save_to:
+        checkpoint.save(par, save_to, step=train.steps)
+    return {"rank": dist.get_rank(), "coords": [mesh.coords.dp, mesh.coords.pp, mesh.coords.tp],
+            "losses": losses, "step_s": statistics.median(times), "memory": memory,
+            "shards": par.local_shards()}
+
+
+def run_3d(nproc: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, fsdp: bool = False, zero: int | None = None,
+           steps: int = 4, microbatches: int | None = None, schedule: str = "1f1b", model: str = "tiny",
+           batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0, backend: str = "gloo",
+           timeout: float = 300.0, resume_from: str | None = None, save_to: str | None = None) -> dict:
+    """Train with ``minitp.mesh.Parallel3D`` on a dp × pp × tp mesh of ``nproc`` ranks and report it
+    against the three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
+
+    microbatches: per step, when pp > 1 (default: one sequence each, B/dp).
+    resume_from: a checkpoint (``minitp.checkpoint``, any layout) to start from, at the step it was
+        saved; the run then trains up to ``steps`` and is checked against the reference at ``steps``.
+    save_to: save a sharded checkpoint after the last step.
+    """
+    from dataclasses import replace
+
+    from minitp import checkpoint
+    from minitp.mesh import check_zero, unshard_3d
+
+    cfg = get_config(model)
+    cost.check_3d_layout(cfg, dp, pp, tp, nproc)
+    check_batch(batch_size, dp)
+    data_parallel = "fsdp" if fsdp else "ddp"
+    zero = check_zero(data_parallel, zero, pp)
+    if microbatches is None:
+        microbatches = batch_size // dp if pp > 1 else 1
+    if pp > 1 and (batch_size // dp) % microbatches:
+        raise ValueError(f"each replica's batch of {batch_size // dp} (batch_size={batch_size} / dp={dp}) "
+                         f"is not divisible by microbatches={microbatches}")
+    start_step = checkpoint.read_index(resume_from)["step"] if resume_from else 0
+    if not start_step < steps:
+        raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
+    train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed)
+    options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule)
+    results = launch(_3d_worker, nproc, model, train, {"dp": dp, "pp": pp, "tp": tp}, options, start_step,
+                     resume_from, save_to, backend=backend, timeout=timeout, echo=False)
+    ran = steps - start_step
+    by_dim = []
+    for r in results:
+        d, s, _ = r["coords"]
+        by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
+                                             zero or 3, steps=ran, start_up=True, state_dict=True))
+    expected_memory = [cost.threed_memory_per_rank(cfg, dp, tp, pp, r["coords"][1], data_parallel, zero or 3)
+                       for r in results]
+    prefixes = {"tp": ("tp/",), "pp": ("pp/",), "dp": ("ddp/", "fsdp/")}
+    traces = sorted(results.traces, key=lambda t: t.rank)
+    traced_by_dim = [{dim: sum(t.sent_bytes(p) for p in ps) for dim, ps in prefixes.items()} for t in traces]
+    # the training steps alone, without DDP's start-up broadcast and FSDP's final gather (the planner's view)
+    per_step_by_dim = [{dim: sum(e.sent_bytes for e in t.comm() if e.label.startswith(ps)
+                                 and e.label != "ddp/init" and not e.label.endswith("state_dict")) / ran
+                        for dim, ps in prefixes.items()} for t in traces]
+    # each replica's whole model, from its stages' tp slices
+    replicas = []
+    for d in range(dp):
+        shards = [[results[(d * pp + s) * tp + t]["shards"] for t in range(tp)] for s in range(pp)]
+        replicas.append(unshard_3d(shards))
+    per_rank = [{**{k: v for k, v in r.items() if k != "shards"}, "state": replicas[r["coords"][0]]} for r in results]
+    ref_losses, ref_model = _train_reference(cfg, train)
+    reference = (ref_losses[start_step:], {k: v.detach() for k, v in ref_model.state_dict().items()})
+    return build_report(
+        "3d", {"dp": dp, "tp": tp, "pp": pp}, per_rank, results.traces, model, replace(train, steps=ran),
+        [sum(b.values()) for b in by_dim], expected_memory, results.wall_s, reference=reference,
+        data_parallel=data_parallel, zero=zero, microbatches=microbatches if pp > 1 else None,
+        schedule=schedule if pp > 1 else None, start_step=start_step, end_step=steps,
+        coords=[r["coords"] for r in results], comm_bytes_traced_by_dim=traced_by_dim,
+        comm_bytes_expected_by_dim=by_dim, comm_bytes_traced_per_step_by_dim=per_step_by_dim,
+        resumed_from=resume_from, saved_to=save_to)

@@ -1,0 +1,86 @@
+"""minitp.plan: the layouts of N GPUs that fit, checked against measured runs of the tiny model."""
+
+import pytest
+
+from minitp import cli, plan, runs
+from minitp.models import LLAMA3_8B, LLAMA3_70B, get_config
+
+TINY = get_config("tiny")
+
+
+def test_layouts_are_every_factorisation_of_the_world():
+    assert sorted(plan.layouts(8)) == sorted([(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2),
+                                              (1, 4, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8)])
+    assert all(dp * pp * tp == 12 for dp, pp, tp in plan.layouts(12))
+
+
+def test_the_tiny_model_takes_the_eight_layouts_whose_tp_divides_its_heads_and_pp_its_blocks():
+    rows = plan.plan(TINY, 8, 1.0, batch_size=8, seq_len=16, precision="fp32", data_parallel="ddp")
+    got = sorted((r["dp"], r["pp"], r["tp"]) for r in rows)
+    assert got == sorted([(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 2, 4)])
+
+
+def _measured_layouts():
+    rows = plan.plan(TINY, 8, 1.0, batch_size=8, seq_len=16, precision="fp32", data_parallel="ddp")
+    return [(r["dp"], r["pp"], r["tp"]) for r in rows]
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("dp,pp,tp", _measured_layouts())
+def test_planner_memory_and_bytes_equal_a_measured_run_of_the_tiny_model(dp, pp, tp, data_parallel):
+    row = plan.plan_layout(TINY, dp, pp, tp, batch_size=8, seq_len=16, data_parallel=data_parallel,
+                           precision="fp32")
+    report = runs.run_3d(nproc=8, dp=dp, tp=tp, pp=pp, fsdp=data_parallel == "fsdp", steps=2)
+    assert runs.check(report) == []
+    measured = max(sum(m.values()) for m in report["memory"])  # the rank that holds the most
+    assert measured == pytest.approx(row["memory_states"], rel=1e-9)  # asked: within 2%; it is exact
+    for dim in ("tp", "pp", "dp"):
+        traced = max(b[dim] for b in report["comm_bytes_traced_per_step_by_dim"])
+        assert traced == pytest.approx(row["bytes_per_step"][dim], rel=1e-9, abs=1e-6), dim
+
+
+def test_llama3_8b_fits_64_gpus_of_80_gib_and_sharding_cuts_the_states():
+    rows = plan.plan(LLAMA3_8B, 64, 80)
+    assert rows and all(r["fits"] for r in rows)
+    assert all(r["tp"] <= 8 for r in rows)  # tensor parallel stays inside a machine
+    ddp = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192, data_parallel="ddp")
+    zero3 = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192, data_parallel="fsdp", zero=3)
+    assert ddp["memory_states"] == pytest.approx(16 * LLAMA3_8B.num_params() / 8, rel=0.01)  # 16 bytes / param / tp
+    assert zero3["memory_states"] == pytest.approx(ddp["memory_states"] / 8, rel=0.01)
+
+
+def test_llama3_70b_needs_recomputation_on_64_gpus_of_80_gib():
+    assert plan.plan(LLAMA3_70B, 64, 80) == []
+    rows = plan.plan(LLAMA3_70B, 64, 80, recompute=True)
+    assert rows and all(r["memory_total"] <= 80 * plan.GIB for r in rows)
+
+
+def test_cli_plan_answers_for_8b_and_70b(capsys):
+    assert cli.main(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-8b (8.03 B parameters) on 64 GPUs of 80 GiB" in out and " yes" in out
+    assert cli.main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80"]) == 1
+    assert "no layout fits" in capsys.readouterr().out
+    assert cli.main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80", "--recompute"]) == 0
+    assert cli.main(["plan", "--model", "custom", "--dim", "128", "--n-layers", "2", "--gpus", "4",
+                     "--gpu-memory", "1"]) == 0
+
+
+def test_plan_refuses_bad_input():
+    with pytest.raises(ValueError, match="gpus must be an integer >= 1"):
+        plan.plan(TINY, 0, 80)
+    with pytest.raises(ValueError, match="tp=3 does not divide n_heads=4"):
+        plan.plan_layout(TINY, 1, 1, 3, 8, 16)
+
+
+def test_the_static_table_and_the_explorer_show_the_same_layouts():
+    rows = plan.plan(LLAMA3_8B, 64, 80)
+    table = plan.markdown_table(rows)
+    assert len(table.splitlines()) == 2 + len(rows)
+    assert f"| {rows[0]['dp']} | {rows[0]['pp']} | {rows[0]['tp']} |" in table
+    pytest.importorskip("ipywidgets")
+    ui = plan.explorer("llama3-8b", 64, 80)
+    shown = ui.children[-1].value
+    assert "llama3-8b: 8.03 B parameters" in shown
+    ui.children[0].children[0].value = "llama3-70b"  # the table follows the widgets
+    assert "llama3-70b: 70.55 B parameters" in ui.children[-1].value
