@@ -22,17 +22,32 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+# One pytest run: the library and oracle tests, the website (strict build, pages in Chromium), and
+# every chapter re-run by nbval against its stored outputs.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests notebooks $(NBVAL)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "not notebooks and not site"
+	$(BIN)/python -m pytest -q tests -m "not site"
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks
 
+site: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+student: $(STAMP)
+	$(BIN)/python -m minitp.exercises.student notebooks student
+
+notebooks: $(STAMP)
+	for nb in notebooks/[0-9][0-9]_*.ipynb; do \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; \
+	done
+
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_ddp.py
+	for b in ddp fsdp tp pp; do $(BIN)/python benchmarks/bench_$$b.py || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

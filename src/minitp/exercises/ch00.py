@@ -1,0 +1,246 @@
+"""Checkers for chapter 00, processes and collectives.
+
+* ``check_ring_all_reduce(fn)``: ``fn(tensor)`` sums ``tensor`` over all ranks in place, using
+  only ``minitp.comm`` sends and receives. Run on 4 and 3 ranks; compared with ``comm.all_reduce``
+  and with the ring's bytes, 2(n-1)/n * B per rank.
+* ``check_ring_all_gather(fn)``: ``fn(output, input)`` puts rank i's ``input`` in chunk i of
+  ``output`` on every rank, from sends and receives. Compared with ``comm.all_gather`` and with
+  (n-1)/n * B per rank.
+* ``check_ring_bytes(fn)``: ``fn(op, nbytes, n)`` gives the bytes one rank sends for a ring
+  all-reduce, all-gather or reduce-scatter; compared with ``minitp.cost``.
+
+The inputs are small random integers stored as floats, so every sum is exact whatever order the
+additions run in, and a wrong value can be traced back to which ranks' data it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from minitp import comm, cost, trace
+from minitp.exercises import ExerciseError, not_implemented, passed
+from minitp.launch import LaunchTimeout, RankError, launch
+
+_P2P = ("send", "recv")
+_ANSWER = "answer"  # the scope the learner's calls are traced under
+
+
+# -- running the answer --------------------------------------------------------------------------
+def _run(worker, nprocs: int, args: tuple, timeout: float, name: str, hang_hint: str):
+    """Launch ``worker(*args)`` on ``nprocs`` ranks; turn a stub, a crash or a hang into ExerciseError."""
+    try:
+        return launch(worker, nprocs, *args, timeout=timeout, echo=False)
+    except RankError as err:
+        if not_implemented(err):
+            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
+                                "Replace the stub with your answer and run the check again.") from None
+        last = err.remote_traceback.strip().splitlines()[-1] if err.remote_traceback.strip() else str(err)
+        raise ExerciseError(f"{name}: rank {err.rank} of {nprocs} raised {last}\n\n"
+                            f"Its traceback:\n{err.remote_traceback}") from None
+    except LaunchTimeout:
+        raise ExerciseError(f"{name}: the run on {nprocs} ranks hung and was stopped after {timeout:g} s. "
+                            f"{hang_hint}") from None
+
+
+def _inputs(rank: int, numel: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randint(0, 1000, (numel,), generator=g).to(torch.float32)
+
+
+def _answer_events(tr: trace.Trace) -> list[trace.Event]:
+    return [e for e in tr.comm() if e.label.startswith(_ANSWER)]
+
+
+def _check_ops(results, name: str, building: str) -> None:
+    for tr in results.traces:
+        ops = sorted({e.op for e in _answer_events(tr)} - set(_P2P))
+        if ops:
+            raise ExerciseError(f"{name}: rank {tr.rank} called {', '.join(ops)}; build {building} from "
+                                "comm.send / comm.recv (or comm.isend / comm.irecv) only.")
+
+
+def _check_bytes(results, name: str, expected: float, formula: str, per_step: str) -> None:
+    sent = results.sent_bytes(_ANSWER)
+    if all(s == 0 for s in sent):
+        raise ExerciseError(f"{name}: the values are right but no message was traced. Send with "
+                            "minitp.comm.send/recv (or isend/irecv), not torch.distributed directly, "
+                            "so that every byte is recorded.")
+    for rank, s in enumerate(sent):
+        if s != expected:
+            more = "more" if s > expected else "less"
+            raise ExerciseError(f"{name}: the values are right, but rank {rank} sent {s:g} bytes, {more} than "
+                                f"the ring's {formula} = {expected:g} bytes (per rank: {[f'{x:g}' for x in sent]}). "
+                                f"Each step should send {per_step}, not the whole tensor.")
+
+
+# -- exercise 1: ring all-reduce -----------------------------------------------------------------
+def _all_reduce_worker(fn, numel: int = 12, seed: int = 0):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    x = _inputs(rank, numel, seed)
+    expected = x.clone()
+    with trace.scope("reference"):
+        comm.all_reduce(expected)
+    tensor = x.clone()
+    with trace.scope(_ANSWER):
+        returned = fn(tensor)
+    if isinstance(returned, torch.Tensor):
+        returned = returned.detach().clone()
+    return {"input": x, "tensor": tensor, "returned": returned, "expected": expected}
+
+
+def _explain_chunk(value: torch.Tensor, inputs: list[torch.Tensor], sl: slice) -> str:
+    """Say which ranks' data a wrong chunk holds, if it is the sum over some of them."""
+    n = len(inputs)
+    for size in range(1, n + 1):
+        for subset in itertools.combinations(range(n), size):
+            if torch.equal(value, sum(inputs[k][sl] for k in subset)):
+                if size == n:
+                    return "the full sum"
+                return f"the sum of ranks {list(subset)} only" if size > 1 else f"rank {subset[0]}'s data only"
+    return "no sum of the ranks' matching chunks (values from another chunk were added?)"
+
+
+def check_ring_all_reduce(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float = 20.0) -> None:
+    """Run ``fn(tensor)`` on each world size in ``nprocs``; it must sum in place like all_reduce."""
+    name = "ring all-reduce"
+    for n in nprocs:
+        numel = 4 * n  # 4 elements per chunk
+        results = _run(_all_reduce_worker, n, (fn, numel, n), timeout, name,
+                       "Each step, every rank must send to its right neighbour (rank + 1) % n and receive "
+                       "from its left one (rank - 1) % n; a rank that waits for a message its neighbour "
+                       "never sends waits forever. Post the send with comm.isend before comm.recv.")
+        inputs = [r["input"] for r in results]
+        for rank, r in enumerate(results):
+            got, want = r["tensor"], r["expected"]
+            if torch.equal(got, want):
+                continue
+            if isinstance(r["returned"], torch.Tensor) and torch.equal(r["returned"], want):
+                raise ExerciseError(f"{name}: your function returned the right sum, but `tensor` itself was "
+                                    "not changed. Like all_reduce, sum in place: write into the chunks of "
+                                    "`tensor` (views of it), e.g. chunk += incoming or chunk.copy_(incoming).")
+            if torch.equal(got, inputs[rank]):
+                raise ExerciseError(f"{name} on {n} ranks: rank {rank}'s tensor did not change at all. Write the "
+                                    "received chunks into `tensor` in place (its chunks are views of it).")
+            size = numel // n
+            lines = []
+            for c in range(n):
+                sl = slice(c * size, (c + 1) * size)
+                if not torch.equal(got[sl], want[sl]):
+                    lines.append(f"  chunk {c}: expected {want[sl].tolist()}, got {got[sl].tolist()} = "
+                                 f"{_explain_chunk(got[sl], inputs, sl)}")
+            raise ExerciseError(
+                f"{name} on {n} ranks: rank {rank} ends with a wrong tensor.\n" + "\n".join(lines) + "\n"
+                "Hints: in the reduce-scatter steps a rank must ADD the incoming chunk to its own (copy only "
+                "in the all-gather steps); at step s rank r sends chunk (r - s) % n and receives chunk "
+                "(r - s - 1) % n; after n - 1 steps rank r holds chunk (r + 1) % n complete, which is the "
+                "first chunk it sends in the all-gather.")
+        _check_ops(results, name, "the all-reduce")
+        expected = cost.collective_sent_bytes("all_reduce", numel * 4, n)
+        _check_bytes(results, name, expected, f"2(n-1)/n * B with n={n}, B={numel * 4}",
+                     "one chunk of B/n bytes")
+    passed(name, f"matches all_reduce on {' and '.join(map(str, nprocs))} ranks, "
+                 "each rank sent 2(n-1)/n * B bytes")
+
+
+# -- exercise 2: ring all-gather -----------------------------------------------------------------
+_UNWRITTEN = -1.0  # inputs are >= 0, so this marks output the answer never wrote
+
+
+def _all_gather_worker(fn, per_rank: int = 3, seed: int = 0):
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = _inputs(rank, per_rank, seed)
+    expected = torch.empty(n * per_rank)
+    with trace.scope("reference"):
+        comm.all_gather(expected, x)
+    output = torch.full((n * per_rank,), _UNWRITTEN)
+    given = x.clone()
+    with trace.scope(_ANSWER):
+        fn(output, given)
+    return {"input": x, "output": output, "expected": expected, "input_after": given}
+
+
+def check_ring_all_gather(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float = 20.0) -> None:
+    """Run ``fn(output, input)`` on each world size in ``nprocs``; it must behave like all_gather."""
+    name = "ring all-gather"
+    per_rank = 3
+    for n in nprocs:
+        results = _run(_all_gather_worker, n, (fn, per_rank, n), timeout, name,
+                       "Every rank must send to (rank + 1) % n and receive from (rank - 1) % n; post the "
+                       "send with comm.isend before comm.recv so that no rank waits on a neighbour that is "
+                       "itself waiting.")
+        inputs = [r["input"] for r in results]
+        for rank, r in enumerate(results):
+            got, want = r["output"], r["expected"]
+            if not torch.equal(r["input_after"], r["input"]):
+                raise ExerciseError(f"{name}: rank {rank} changed its `input`; only write into `output`.")
+            if torch.equal(got, want):
+                continue
+            lines = []
+            for c in range(n):
+                chunk = got[c * per_rank:(c + 1) * per_rank]
+                if torch.equal(chunk, inputs[c]):
+                    continue
+                if torch.all(chunk == _UNWRITTEN):
+                    what = "nothing (never written)"
+                else:
+                    owners = [k for k in range(n) if torch.equal(chunk, inputs[k])]
+                    what = f"rank {owners[0]}'s input" if owners else f"{chunk.tolist()}, no rank's input"
+                lines.append(f"  chunk {c}: expected rank {c}'s input, got {what}")
+            raise ExerciseError(
+                f"{name} on {n} ranks: rank {rank}'s output is wrong.\n" + "\n".join(lines) + "\n"
+                "Hints: first copy your own input into chunk `rank` of output; then at step s send chunk "
+                "(rank - s) % n to the right and receive chunk (rank - s - 1) % n from the left, "
+                "straight into that chunk of output.")
+        _check_ops(results, name, "the all-gather")
+        expected = cost.collective_sent_bytes("all_gather", n * per_rank * 4, n)
+        _check_bytes(results, name, expected, f"(n-1)/n * B with n={n}, B={n * per_rank * 4}",
+                     "one chunk (one rank's input)")
+    passed(name, f"matches all_gather on {' and '.join(map(str, nprocs))} ranks, "
+                 "each rank sent (n-1)/n * B bytes")
+
+
+# -- exercise 3: bytes per rank by hand ----------------------------------------------------------
+_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def check_ring_bytes(fn) -> None:
+    """``fn(op, nbytes, n)`` must give the bytes one rank sends, as ``minitp.cost`` counts them."""
+    name = "ring bytes"
+    for op, nbytes, n in itertools.product(_OPS, (2**20, 12_000), (4, 8, 2, 64)):
+        try:
+            got = fn(op, nbytes, n)
+        except NotImplementedError:
+            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError).") from None
+        want = cost.collective_sent_bytes(op, nbytes, n)
+        if got is None:
+            raise ExerciseError(f"{name}: fn({op!r}, {nbytes}, {n}) returned None; return a number of bytes.")
+        if math.isclose(float(got), want, rel_tol=1e-9):
+            continue
+        hint = _bytes_hint(op, float(got), nbytes, n)
+        raise ExerciseError(f"{name}: for {op} of B = {nbytes} bytes over n = {n} ranks you gave {got:g} bytes "
+                            f"per rank, expected {want:g}. {hint}")
+    passed(name, "all-reduce 2(n-1)/n * B, all-gather and reduce-scatter (n-1)/n * B")
+
+
+def _bytes_hint(op: str, got: float, B: int, n: int) -> str:
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+
+    def near(x):
+        return math.isclose(got, x, rel_tol=1e-9)
+
+    if op == "all_reduce" and near((n - 1) / n * B):
+        return "That is one phase only: a ring all-reduce is a reduce-scatter followed by an all-gather."
+    if op != "all_reduce" and near(2 * (n - 1) / n * B):
+        return f"That is an all-reduce; {op} is just one of its two phases."
+    if near(steps * B):
+        return "Each step sends one chunk of B/n bytes, not the whole buffer: divide by n."
+    if near(steps * B / (n - 1)):
+        return "Count the steps again: n ranks need n - 1 steps per phase (a rank never sends to itself)."
+    return f"Count the steps ({steps} for {op} on {n} ranks) and the bytes of each step (one chunk, B/n)."

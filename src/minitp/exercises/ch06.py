@@ -1,0 +1,277 @@
+"""Checkers for chapter 06, 3D parallelism (dp × pp × tp).
+
+* ``check_mesh_position(fn)``: ``fn(rank, dp, pp, tp)`` returns ``((dp_rank, pp_rank, tp_rank),
+  {"tp": [...], "pp": [...], "dp": [...]})``: where ``rank`` sits on the mesh, tp varying fastest,
+  and the global ranks of its three groups. Run on 8 real processes of a 2×2×2 mesh, each compared
+  with the members its real process groups gather, then on other layouts against ``minitp.mesh``.
+* ``check_step_bytes(fn)``: ``fn(cfg, batch, seq, dp, tp, pp, stage)`` gives ``{"tp", "pp", "dp"}``, the
+  bytes a rank of stage ``stage`` sends in one training step (fp32, DDP, no start-up broadcast);
+  compared with ``minitp.cost.threed_step_bytes``, the formula the runs' traces are checked against.
+* ``check_choose_layout(fn)``: ``fn(cfg, gpus, gpu_memory_bytes, gpus_per_node)`` picks the layout
+  whose parameters, gradients and AdamW state (bf16 mixed precision, DDP) fit each GPU, with the most
+  data parallel, then the largest tp; or None when nothing fits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minitp import cost, mesh
+from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
+
+GIB = 2**30
+
+
+# -- exercise 1: a rank's coordinates and groups -----------------------------------------------------------
+def _normalize(answer):
+    """((d, p, t), {dim: [ranks]}) from what the learner returned, or None when it has the wrong form."""
+    try:
+        coords, groups = answer
+        if all(hasattr(coords, a) for a in ("dp", "pp", "tp")):
+            coords = (coords.dp, coords.pp, coords.tp)
+        coords = tuple(int(c) for c in coords)
+        groups = {dim: sorted(int(r) for r in groups[dim]) for dim in ("tp", "pp", "dp")}
+    except (TypeError, ValueError, KeyError):
+        return None
+    return (coords, groups) if len(coords) == 3 else None
+
+
+def _dp_fastest(rank: int, dp: int, pp: int, tp: int):
+    """The placement with dp varying fastest and tp slowest: rank = (t·pp + p)·dp + d."""
+    def at(d, p, t):
+        return (t * pp + p) * dp + d
+    d, p, t = rank % dp, rank // dp % pp, rank // (dp * pp)
+    return (d, p, t), {"tp": [at(d, p, x) for x in range(tp)], "pp": [at(d, x, t) for x in range(pp)],
+                       "dp": [at(x, p, t) for x in range(dp)]}
+
+
+def _pp_tp_swapped(rank: int, dp: int, pp: int, tp: int):
+    """The placement with pp varying fastest, then tp: rank = (d·tp + t)·pp + p."""
+    def at(d, p, t):
+        return (d * tp + t) * pp + p
+    d, t, p = rank // (pp * tp), rank // pp % tp, rank % pp
+    return (d, p, t), {"tp": [at(d, p, x) for x in range(tp)], "pp": [at(d, x, t) for x in range(pp)],
+                       "dp": [at(x, p, t) for x in range(dp)]}
+
+
+def _truth(rank: int, dp: int, pp: int, tp: int):
+    c = mesh.coordinates(rank, dp, pp, tp)
+    groups = {dim: next(g for g in lists if rank in g) for dim, lists in mesh.group_lists(dp, pp, tp).items()}
+    return (c.dp, c.pp, c.tp), groups
+
+
+def _position_worker(fn, dp: int, pp: int, tp: int):
+    import torch.distributed as dist
+
+    from minitp import comm
+
+    m = mesh.Mesh(dp, pp, tp)
+    seen = {}
+    for dim in ("tp", "pp", "dp"):  # who is really in each of this rank's groups: ask them
+        group = m.group(dim)
+        size = comm.group_size(group)
+        out = torch.empty(size, dtype=torch.long)
+        comm.all_gather(out, torch.tensor([dist.get_rank()]), group=group, label=f"who/{dim}")
+        seen[dim] = out.tolist()
+    c = m.coords
+    return {"answer": fn(dist.get_rank(), dp, pp, tp), "coords": (c.dp, c.pp, c.tp), "groups": seen}
+
+
+def _compare_position(name: str, rank: int, layout: tuple[int, int, int], answer, want) -> None:
+    dp, pp, tp = layout
+    where = f"rank {rank} of dp={dp}, pp={pp}, tp={tp}"
+    got = _normalize(answer)
+    if got is None:
+        raise ExerciseError(f"{name}: for {where} the function returned {answer!r}; return "
+                            "((dp_rank, pp_rank, tp_rank), {'tp': [...], 'pp': [...], 'dp': [...]}).")
+    want = (tuple(want[0]), {d: sorted(want[1][d]) for d in ("tp", "pp", "dp")})
+    if got == want:
+        return
+    for mistake, hint in ((_dp_fastest, "you let dp vary fastest. minitp places tp fastest, "
+                                        "rank = (dp_rank·pp + pp_rank)·tp + tp_rank, so that each tensor-parallel "
+                                        "group is made of neighbouring ranks (one machine)."),
+                          (_pp_tp_swapped, "pp and tp are swapped: you let pp vary fastest. tp varies fastest, "
+                                           "then pp, then dp: rank = (dp_rank·pp + pp_rank)·tp + tp_rank.")):
+        wrong = mistake(rank, dp, pp, tp)
+        if got == (wrong[0], {d: sorted(wrong[1][d]) for d in ("tp", "pp", "dp")}):
+            raise ExerciseError(f"{name}: for {where} you gave coordinates {got[0]} and groups {got[1]}, expected "
+                                f"{want[0]} and {want[1]}: {hint}")
+    if got[0] != want[0]:
+        raise ExerciseError(f"{name}: for {where} you gave coordinates (dp, pp, tp) = {got[0]}, expected {want[0]}. "
+                            "Hint: tp_rank = rank % tp, pp_rank = (rank // tp) % pp, dp_rank = rank // (pp·tp).")
+    dim = next(d for d in ("tp", "pp", "dp") if got[1][d] != want[1][d])
+    raise ExerciseError(f"{name}: for {where} the coordinates are right but the {dim} group is {got[1][dim]}, "
+                        f"expected {want[1][dim]}. Its members share the other two coordinates and run "
+                        f"through every {dim}_rank: rank_of(...) for {dim}_rank in range({dim}).")
+
+
+def check_mesh_position(fn) -> None:
+    """``fn(rank, dp, pp, tp)`` -> ((dp_rank, pp_rank, tp_rank), {"tp": [...], "pp": [...], "dp": [...]})."""
+    name = "a rank's coordinates and groups"
+    results = run_answer(_position_worker, 8, (fn, 2, 2, 2), name)
+    for rank, r in enumerate(results):  # the real mesh: coordinates and the members its groups gathered
+        _compare_position(name, rank, (2, 2, 2), r["answer"], (tuple(r["coords"]), r["groups"]))
+    for layout in ((1, 2, 4), (4, 2, 1), (2, 4, 1), (3, 1, 2), (2, 3, 4)):
+        for rank in range(math.prod(layout)):
+            try:
+                answer = fn(rank, *layout)
+            except NotImplementedError:
+                raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError).") from None
+            _compare_position(name, rank, layout, answer, _truth(rank, *layout))
+    passed(name, "matches the groups 8 real processes formed, and 5 other layouts")
+
+
+# -- exercise 2: the bytes of one step, per dimension ------------------------------------------------------
+def _ring(nbytes: float, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def check_step_bytes(fn) -> None:
+    """``fn(cfg, batch, seq, dp, tp, pp, stage)`` -> {"tp", "pp", "dp"}: one step, fp32, DDP."""
+    name = "bytes of one step per dimension"
+    cases = [(TINY, "tiny", 8, 16, 2, 2, 2, 0), (TINY, "tiny", 8, 16, 2, 2, 2, 1),
+             (TINY, "tiny", 8, 16, 1, 2, 4, 0), (TINY, "tiny", 8, 16, 1, 2, 4, 2),
+             (TINY, "tiny", 8, 16, 1, 2, 4, 3), (TINY, "tiny", 8, 16, 4, 1, 2, 1),
+             (TINY, "tiny", 8, 16, 2, 4, 1, 0), (LLAMA3_8B, "LLaMA-3-8B", 16, 4096, 2, 4, 2, 1)]
+    for cfg, model, batch, seq, dp, tp, pp, stage in cases:
+        where = f"{model}, B={batch}, S={seq}, dp={dp}, tp={tp}, pp={pp}, stage {stage}"
+        try:
+            got = fn(cfg, batch, seq, dp, tp, pp, stage)
+        except NotImplementedError:
+            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError).") from None
+        if not isinstance(got, dict):
+            raise ExerciseError(f"{name}: return a dict {{'tp': ..., 'pp': ..., 'dp': ...}}, got {got!r}.")
+        want = cost.threed_step_bytes(cfg, batch, seq, dp, tp, pp, stage)
+        for dim in ("tp", "pp", "dp"):
+            value = got.get(dim)
+            if value is None or (not value and want[dim]):
+                why = {"tp": "the all-reduces of tensor parallel (two per block each way, plus the embedding, "
+                             "the output layer and the loss)",
+                       "pp": "the activations sent to the next stage and the gradients sent back",
+                       "dp": "the all-reduce of this rank's gradients over its dp group"}[dim]
+                raise ExerciseError(f"{name}: for {where} the {dim} bytes are {value!r}, expected {want[dim]:,.0f}: "
+                                    f"you left out the {dim} bytes: {why}.")
+            if math.isclose(float(value), want[dim], rel_tol=1e-9, abs_tol=1e-6):
+                continue
+            hint = _bytes_hint(dim, float(value), want[dim], cfg, batch, seq, dp, tp, pp, stage)
+            raise ExerciseError(f"{name}: for {where} you gave {dim} = {float(value):,.0f} bytes, expected "
+                                f"{want[dim]:,.0f}. {hint}")
+    passed(name, "tp, pp and dp all match minitp.cost on 8 layouts and stages")
+
+
+def _bytes_hint(dim, got, want, cfg, batch, seq, dp, tp, pp, stage) -> str:
+    close = lambda a, b: b and math.isclose(a, b, rel_tol=1e-9)  # noqa: E731
+    b = batch // dp
+    if dim in ("tp", "pp") and dp > 1 and close(got, want * dp):
+        return f"You used the global batch B={batch}; each replica runs B/dp = {b} sequences."
+    if dim == "tp":
+        blocks = cost.stage_num_blocks(cfg.n_layers, pp, stage) * cost.tp_block_bytes(b, seq, cfg.dim, tp)
+        if close(got, blocks):
+            return ("That is the blocks alone: the first stage also all-reduces the embedding's output (its "
+                    "vocabulary is split), the last the output layer's input gradient (f) and the loss's max and sums.")
+        return ("Each block is two column-then-row pairs: 4 all-reduces of the (B/dp, S, D) activation, each "
+                "2(tp-1)/tp of it per rank (cost.tp_block_bytes).")
+    if dim == "pp":
+        return ("A stage sends each micro-batch's activation forward and its gradient backward, (B/dp)·S·D·4 bytes "
+                "per step each way, but the first stage sends no gradient and the last no activation "
+                "(cost.pp_step_bytes).")
+    psi = cost.threed_params_per_rank(cfg, tp, pp, stage)
+    if close(got, _ring(4 * cfg.num_params(), dp)):
+        return ("You counted the whole model's parameters; a rank all-reduces the gradients of what it holds: "
+                "its stage's tp slice, Ψ_rank = cost.threed_params_per_rank(cfg, tp, pp, stage).")
+    if close(got, 4 * psi) or close(got, 2 * 4 * psi):
+        return "An all-reduce of A bytes sends 2(dp-1)/dp · A per rank on a ring."
+    return f"The gradients of this rank's Ψ_rank = {psi:,} parameters, all-reduced over dp: 2(dp-1)/dp · 4 Ψ_rank."
+
+
+# -- exercise 3: the layout that fits ---------------------------------------------------------------------
+def _states(cfg, dp: int, pp: int, tp: int, optimizer: bool = True) -> float:
+    """Worst stage's parameters + gradients (+ AdamW state) per GPU, bf16 mixed precision, DDP."""
+    worst = 0.0
+    for s in range(pp):
+        m = cost.threed_memory_per_rank(cfg, dp, tp, pp, s, "ddp", precision="bf16")
+        worst = max(worst, m["params"] + m["grads"] + (m["optimizer"] if optimizer else 0))
+    return worst
+
+
+def reference_layout(cfg, gpus: int, gpu_memory_bytes: float, gpus_per_node: int = 8):
+    """minitp's own answer to exercise 3."""
+    best = None
+    for dp, pp, tp in mesh_layouts(gpus):
+        if tp > gpus_per_node:
+            continue
+        try:
+            cost.check_3d_layout(cfg, dp, pp, tp)
+        except ValueError:
+            continue
+        if _states(cfg, dp, pp, tp) <= gpu_memory_bytes and (best is None or (dp, tp) > (best[0], best[2])):
+            best = (dp, pp, tp)
+    return best
+
+
+def mesh_layouts(gpus: int) -> list[tuple[int, int, int]]:
+    from minitp.plan import layouts
+
+    return layouts(gpus)
+
+
+def check_choose_layout(fn) -> None:
+    """``fn(cfg, gpus, gpu_memory_bytes, gpus_per_node)`` -> (dp, pp, tp) or None."""
+    name = "the layout that fits"
+    cases = [(LLAMA3_8B, "LLaMA-3-8B", 64, 80), (LLAMA3_8B, "LLaMA-3-8B", 64, 24),
+             (LLAMA3_70B, "LLaMA-3-70B", 64, 80), (LLAMA3_70B, "LLaMA-3-70B", 64, 40),
+             (LLAMA3_70B, "LLaMA-3-70B", 8, 80), (TINY, "tiny", 8, 2e6 / GIB)]
+    for cfg, model, gpus, gib in cases:
+        budget = gib * GIB
+        shown = f"{gib:g} GiB" if gib >= 1 else f"{budget / 1e6:.1f} MB"
+        where = f"{model} on {gpus} GPUs of {shown}"
+        try:
+            got = fn(cfg, gpus, budget, 8)
+        except NotImplementedError:
+            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError).") from None
+        want = reference_layout(cfg, gpus, budget)
+        if got is not None:
+            try:
+                got = tuple(int(x) for x in got)
+            except (TypeError, ValueError):
+                raise ExerciseError(f"{name}: return (dp, pp, tp) or None, got {got!r}.") from None
+        if got == want:
+            continue
+        if want is None:
+            need = min(_states(cfg, *lay) for lay in mesh_layouts(gpus) if lay[2] <= 8)
+            raise ExerciseError(f"{name}: for {where} you chose {got}, but no layout fits: even the smallest needs "
+                                f"{need / GIB:.1f} GiB per GPU in parameters, gradients and AdamW state. "
+                                "Return None when nothing fits.")
+        if got is None:
+            raise ExerciseError(f"{name}: for {where} you returned None, but {want} fits "
+                                f"({_states(cfg, *want) / GIB:.1f} GiB per GPU).")
+        if len(got) != 3 or math.prod(got) != gpus:
+            raise ExerciseError(f"{name}: for {where} you chose (dp, pp, tp) = {got}, whose product is not {gpus}.")
+        dp, pp, tp = got
+        try:
+            cost.check_3d_layout(cfg, dp, pp, tp)
+        except ValueError as err:
+            raise ExerciseError(f"{name}: for {where} you chose {got}, which the model cannot take: {err}.") from None
+        if tp > 8:
+            raise ExerciseError(f"{name}: for {where} you chose tp={tp}: a tensor-parallel group must stay inside "
+                                "one machine of 8 GPUs.")
+        need = _states(cfg, dp, pp, tp)
+        if need > budget:
+            if _states(cfg, dp, pp, tp, optimizer=False) <= budget:
+                raise ExerciseError(f"{name}: for {where} you chose {got}, which needs {need / GIB:.1f} GiB per GPU "
+                                    f"with AdamW's state, more than {shown}: did you count the memory without the "
+                                    "optimizer? bf16 mixed precision holds 2 + 2 bytes (parameter, gradient) and 12 "
+                                    "of optimizer state (fp32 master copy and two moments) per parameter.")
+            raise ExerciseError(f"{name}: for {where} you chose {got}, which needs {need / GIB:.1f} GiB per GPU, more "
+                                f"than {shown}. Count 16 bytes per parameter a rank holds (its stage's tp slice), "
+                                "for the stage that holds the most.")
+        if dp < want[0]:
+            raise ExerciseError(f"{name}: for {where} you chose {got} ({need / GIB:.1f} GiB), but {want} also fits "
+                                f"({_states(cfg, *want) / GIB:.1f} GiB) with more data parallel. Did you count "
+                                "the whole model on every GPU, or 4-byte parameters?")
+        raise ExerciseError(f"{name}: for {where} you chose {got}, expected {want}: with the same dp, prefer the "
+                            "larger tp (it stays inside a machine and leaves no pipeline bubble).")
+    passed(name, "6 cases, LLaMA-3-8B and 70B included")

@@ -1,0 +1,261 @@
+"""Pipeline parallel, drawn from what the stages recorded while they ran.
+
+* ``stage_map``: which pieces of the model each rank held (embedding, blocks, final norm and output
+  layer), one box per piece, as wide as its parameter count, coloured by the rank that held it.
+* ``gantt``: one lane per rank, one bar per forward (F) and backward (B) of each micro-batch, at the
+  times the rank recorded; what is left white is the bubble.
+* ``bubble_curve``: the idle share of the step against the number of micro-batches m, measured
+  next to the formula (p-1)/(m+p-1).
+* ``in_flight``: how many micro-batches' activations each rank held over the step, per schedule.
+
+The timelines they take come from ``minitp.pp`` (``StepRecord.timeline``: (Action, start, end) per
+action, ``pp.simulate`` gives the same shape) or from a ``minitp.runs.run_pp`` report
+(``last_step_timeline``: [kind, microbatch, start, end]). Every drawn piece has a ``gid``
+("action:<rank>:F3", "piece:<rank>:layers.2", ...) so tests can find it.
+"""
+
+from __future__ import annotations
+
+from minitp.viz import style
+
+KIND_COLORS = {"F": "#56B4E9", "B": "#E69F00"}  # forward light blue, backward orange
+KIND_NAMES = {"F": "forward", "B": "backward"}
+
+
+def actions_of(timeline) -> list[tuple[str, int, float, float]]:
+    """One rank's timeline as (kind, microbatch, start, end): from (Action, start, end) tuples or
+    from a report's [kind, microbatch, start, end] lists."""
+    out = []
+    for item in timeline:
+        if len(item) == 3:
+            action, start, end = item
+            out.append((action.kind, action.microbatch, float(start), float(end)))
+        else:
+            kind, mb, start, end = item
+            out.append((kind, int(mb), float(start), float(end)))
+    return out
+
+
+def _timelines(run) -> list[list[tuple[str, int, float, float]]]:
+    if isinstance(run, dict):
+        run = run["last_step_timeline"]
+    return [actions_of(t) for t in run]
+
+
+def idle_share(run) -> list[float]:
+    """Per rank, 1 - busy / span (the span from the first start to the last end over all ranks):
+    ``minitp.pp.bubble_fraction`` for either shape of timeline."""
+    lanes = _timelines(run)
+    t0 = min(a[2] for lane in lanes for a in lane)
+    t1 = max(a[3] for lane in lanes for a in lane)
+    return [1.0 - sum(e - s for _, _, s, e in lane) / (t1 - t0) for lane in lanes]
+
+
+# -- what each rank holds -------------------------------------------------------------------------
+def _piece(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return f"layers.{parts[1]}"
+    return {"tok_embeddings": "embedding", "norm": "norm + output", "output": "norm + output"}.get(parts[0], parts[0])
+
+
+def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0):
+    """Draw the model as a row of pieces in the order data flows through it, each as wide as its
+    parameter count and coloured by the rank that held it.
+
+    held: per rank, {parameter name: number of elements} as the rank's stage reported it (the
+        plain model's names: ``layers.2.attention.wq.weight``).
+    """
+    pieces: dict[str, tuple[int, int]] = {}  # piece -> (rank, parameters), in the order first seen
+    for rank, names in enumerate(held):
+        for name, numel in names.items():
+            piece = _piece(name)
+            owner, count = pieces.get(piece, (rank, 0))
+            if owner != rank:
+                raise ValueError(f"{piece} is held by rank {owner} and rank {rank}: a stage's pieces "
+                                 f"should not overlap")
+            pieces[piece] = (rank, count + numel)
+
+    def order(piece: str) -> float:
+        if piece == "embedding":
+            return -1
+        if piece.startswith("layers."):
+            return int(piece.split(".")[1])
+        return 1e9
+
+    ordered = sorted(pieces, key=order)
+    total = sum(c for _, c in pieces.values())
+    fig = style.figure(width, 2.0)
+    ax = fig.add_subplot()
+    points = (width - 0.3) * 72  # the axes' width in points, roughly
+    x = 0.0
+    for piece in ordered:
+        rank, count = pieces[piece]
+        w = count / total
+        ax.broken_barh([(x, w)], (0, 1), facecolors=style.rank_color(rank), edgecolor="white", linewidth=1.5,
+                       gid=f"piece:{rank}:{piece}")
+        label = piece.replace("layers.", "block ")
+        if w * points > 5.0 * len(label) + 4:  # room inside: name and parameter count
+            ax.text(x + w / 2, 0.62, label, ha="center", va="center", fontsize=7.5, color="white")
+            ax.text(x + w / 2, 0.32, f"{count:,}", ha="center", va="center", fontsize=6.5, color="white")
+        else:  # a thin piece (the embedding, the output layer of a small vocabulary): named above it
+            ax.annotate(f"{label} ({count:,})", (x + w / 2, 1.0), xytext=(x + w / 2, 1.22), fontsize=6.5,
+                        ha="left" if x < 0.5 else "right", va="center",
+                        arrowprops={"arrowstyle": "-", "color": "#666666", "linewidth": 0.6})
+        x += w
+    for rank in range(len(held)):  # a line under each rank's span
+        mine = [p for p in ordered if pieces[p][0] == rank]
+        if not mine:
+            continue
+        start = sum(pieces[p][1] for p in ordered[:ordered.index(mine[0])]) / total
+        span = sum(pieces[p][1] for p in mine) / total
+        ax.plot([start + 0.004, start + span - 0.004], [-0.12, -0.12], color=style.rank_color(rank), linewidth=3,
+                solid_capstyle="butt", gid=f"rank:{rank}")
+        params = sum(pieces[p][1] for p in mine)
+        ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.5, 1.35)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+# -- the Gantt chart --------------------------------------------------------------------------------
+def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55, unit: str = "ms",
+          text: bool = True, messages: bool = False):
+    """One lane per rank (rank 0 on top), one bar per action at its recorded start and end.
+
+    run: a ``run_pp`` report, or a list (one per rank) of timelines: (Action, start, end) tuples
+        as ``Pipeline.forward_backward`` and ``pp.simulate`` return them, or [kind, mb, start, end].
+    unit: "ms" for recorded seconds, "slots" for ``pp.simulate`` times (drawn as they are).
+    messages: draw each message as an arrow from the action that produced it (the end of F3 on
+        rank s, or of B3 on rank s) to the action that consumed it (F3 on rank s+1, B3 on rank s-1).
+    Times start at 0 at the first action on any rank.
+    """
+    lanes = _timelines(run)
+    if not any(lanes):
+        raise ValueError("no actions to draw: every timeline is empty")
+    t0 = min(a[2] for lane in lanes for a in lane)
+    scale = 1e3 if unit == "ms" else 1.0
+    t1 = max(a[3] for lane in lanes for a in lane)
+    span = (t1 - t0) * scale
+    p = len(lanes)
+    fig = style.figure(width, 0.55 + lane_height * p)
+    ax = fig.add_subplot()
+    points_per_unit = (width - 1.3) * 72 / max(span, 1e-9)
+    for rank, lane in enumerate(lanes):
+        y = p - 1 - rank
+        for kind, mb, s, e in lane:
+            x, w = (s - t0) * scale, (e - s) * scale
+            ax.broken_barh([(x, w)], (y - 0.38, 0.76), facecolors=KIND_COLORS[kind], edgecolor="black",
+                           linewidth=0.4, gid=f"action:{rank}:{kind}{mb}")
+            name = f"{kind}{mb}"
+            if text and w * points_per_unit > 4.5 * len(name) + 2:
+                ax.text(x + w / 2, y, name, ha="center", va="center", fontsize=6.5, clip_on=True)
+    if messages:
+        at = {(rank, kind, mb): (s, e) for rank, lane in enumerate(lanes) for kind, mb, s, e in lane}
+        for (rank, kind, mb), (_, end) in at.items():
+            to = rank + 1 if kind == "F" else rank - 1
+            if (to, kind, mb) not in at:
+                continue  # the last stage's forward feeds its own backward; the first sends no gradient
+            start = at[to, kind, mb][0]
+            y0, y1 = p - 1 - rank, p - 1 - to
+            ax.annotate("", xy=((start - t0) * scale, y1 + 0.38 * (1 if kind == "F" else -1)),
+                        xytext=((end - t0) * scale, y0 - 0.38 * (1 if kind == "F" else -1)),
+                        arrowprops={"arrowstyle": "->", "color": "#0072B2" if kind == "F" else "#D55E00",
+                                    "linewidth": 0.7, "shrinkA": 0, "shrinkB": 0},
+                        gid=f"message:{rank}->{to}:{kind}{mb}")
+    ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+    ax.set_ylim(-0.6, p - 0.4)
+    ax.set_xlim(0, span * 1.01)
+    ax.set_xlabel("time (ms)" if unit == "ms" else "time (slots of one forward)")
+    ax.spines[["top", "right"]].set_visible(False)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.4, label=KIND_NAMES[k])
+               for k, c in KIND_COLORS.items()]
+    handles.append(Patch(facecolor="white", edgecolor="#999999", linewidth=0.4, label="idle (bubble)"))
+    if messages:
+        from matplotlib.lines import Line2D
+
+        handles += [Line2D([], [], color="#0072B2", linewidth=0.8, label="activation →"),
+                    Line2D([], [], color="#D55E00", linewidth=0.8, label="← gradient")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+# -- the bubble as m grows ---------------------------------------------------------------------------
+def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int, *, title: str = "",
+                 width: float = 6.0):
+    """The measured idle share of the step for each m, next to (p-1)/(m+p-1)."""
+    if len(microbatches) != len(measured):
+        raise ValueError(f"{len(microbatches)} values of m but {len(measured)} measurements")
+    p = num_stages
+    fig = style.figure(width, 2.8)
+    ax = fig.add_subplot()
+    dense = [microbatches[0] + k * (microbatches[-1] - microbatches[0]) / 200 for k in range(201)]
+    ax.plot(dense, [(p - 1) / (m + p - 1) for m in dense], color="black", linestyle="--", linewidth=1.2,
+            label=f"formula (p-1)/(m+p-1), p={p}", gid="formula")
+    ax.plot(microbatches, measured, marker="o", color=style.rank_color(0), label="measured (mean over ranks)",
+            gid="measured")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(microbatches, [str(m) for m in microbatches])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("idle share of the step")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+# -- activations held --------------------------------------------------------------------------------
+def in_flight_steps(timeline) -> list[tuple[float, int]]:
+    """(time, micro-batches held) after each action of one rank: +1 when a forward starts (its
+    activations are being kept), -1 when a backward ends (they are freed)."""
+    points = []
+    for kind, _, s, e in actions_of(timeline):
+        points.append((s, 1) if kind == "F" else (e, -1))
+    held, out = 0, []
+    for t, delta in sorted(points, key=lambda x: (x[0], x[1])):
+        held += delta
+        out.append((t, held))
+    return out
+
+
+def in_flight(runs: dict[str, list], *, title: str = "", width: float = 8.0):
+    """Micro-batches held over the step, one panel per schedule, one line per rank.
+
+    runs: {schedule name: per-rank timelines} (or ``run_pp`` reports).
+    """
+    fig = style.figure(width, 2.6)
+    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
+    top = 1
+    for ax, (name, run) in zip(axes, runs.items()):
+        lanes = _timelines(run)
+        t0 = min(a[2] for lane in lanes for a in lane)
+        t1 = max(a[3] for lane in lanes for a in lane)
+        for rank, lane in enumerate(lanes):
+            steps = in_flight_steps([(k, mb, s, e) for k, mb, s, e in lane])
+            xs = [0.0] + [(t - t0) * 1e3 for t, _ in steps] + [(t1 - t0) * 1e3]
+            ys = [0] + [h for _, h in steps] + [0]
+            top = max(top, max(ys))
+            ax.step(xs, ys, where="post", color=style.rank_color(rank), linewidth=1.4,
+                    label=f"rank {rank} (peak {max(ys)})", gid=f"held:{name}:{rank}")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("time (ms)")
+        ax.legend(fontsize=6.5, frameon=False, loc="upper right")
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0].set_ylabel("micro-batches held")
+    axes[0].set_ylim(0, top + 0.8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+__all__ = ["stage_map", "gantt", "bubble_curve", "in_flight", "in_flight_steps", "idle_share", "actions_of",
+           "KIND_COLORS"]

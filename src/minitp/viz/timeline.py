@@ -1,0 +1,249 @@
+"""What the ranks did over time, what they held, and how their loss compares with one process.
+
+Three figures, each drawn from data a run returned (they never run anything):
+
+* ``timeline``: one lane per rank; in each lane a row of compute spans (grey) under a row of
+  messages (coloured by collective), every message labelled with its label and its bytes. Works
+  for any strategy's trace: messages that overlap in time (asynchronous buckets, prefetches) are
+  stacked in sub-rows, and a compute span that contains other spans (a whole ``backward`` around
+  per-block spans) is drawn as a thin bar beneath them.
+* ``memory_bars``: per rank, the bytes held in parameters, gradients and optimizer state (as
+  measured by ``minitp.memory.held_bytes``) next to what ``minitp.cost`` predicts.
+* ``loss_curve``: the loss per step of one or more runs against the one-process reference, with
+  the absolute difference on a log scale beside it.
+
+Every drawn piece carries a ``gid`` ("comm:<rank>:<label>", "held:<i>:<kind>", ...) so that tests
+(and curious readers) can find it in the figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from minitp.trace import Event, Trace
+from minitp.viz import style
+
+KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
+COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as bandwidths are quoted: 723200 -> '723.2 KB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _byte_scale(largest: float) -> tuple[str, float]:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if largest >= scale:
+            return unit, scale
+    return "bytes", 1.0
+
+
+# -- the message timeline -----------------------------------------------------------------------------
+def _collect(run) -> list[Event]:
+    """Events from launch Results, a Trace, a list of Traces or a list of Events."""
+    if hasattr(run, "traces"):  # minitp.launch's Results
+        return [e for t in run.traces if t is not None for e in t.events]
+    if isinstance(run, Trace):
+        return list(run.events)
+    items = list(run)
+    if items and all(isinstance(t, Trace) for t in items):
+        return [e for t in items for e in t.events]
+    return items
+
+
+def _stack_rows(events: list[Event]) -> dict[int, int]:
+    """Give each message the first sub-row where it does not overlap the previous one."""
+    rows_end: list[float] = []
+    row_of = {}
+    for e in sorted(events, key=lambda e: e.start):
+        for i, end in enumerate(rows_end):
+            if e.start >= end:
+                rows_end[i] = e.end
+                row_of[id(e)] = i
+                break
+        else:
+            rows_end.append(e.end)
+            row_of[id(e)] = len(rows_end) - 1
+    return row_of
+
+
+def _contains(outer: Event, inner: Event) -> bool:
+    return outer is not inner and outer.start <= inner.start and inner.end <= outer.end
+
+
+def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None, title: str = "",
+             width: float = 8.0, lane_height: float = 0.75, text: bool = True):
+    """Draw every rank's compute spans and messages over time.
+
+    run: what ``minitp.launch`` returned (its traces), a Trace, a list of Traces or of Events.
+    label_prefix: keep only events whose label starts with it (e.g. a ``trace.scope`` name); the
+        prefix is left out of the labels drawn.
+    ranks: the ranks to draw (all by default). Times start at 0 at the first event kept.
+    """
+    events = [e for e in _collect(run) if e.label.startswith(label_prefix) and e.end >= e.start]
+    if ranks is not None:
+        keep = set(ranks)
+        events = [e for e in events if e.rank in keep]
+    if not events:
+        raise ValueError(f"no events to draw (label_prefix={label_prefix!r}); was the run traced?")
+    lanes = sorted({e.rank for e in events} if ranks is None else set(ranks))
+    t0 = min(e.start for e in events)
+    t1 = max(e.end for e in events)
+    span_ms = max((t1 - t0) * 1e3, 1e-6)
+
+    def shown(label: str) -> str:
+        rest = label[len(label_prefix):].lstrip("/") if label_prefix else label
+        return rest or label
+
+    fig = style.figure(width, 0.6 + lane_height * len(lanes))
+    ax = fig.add_subplot()
+    points_per_ms = (width - 1.2) * 72 / span_ms  # rough: the axes take most of the width
+
+    comm = [e for e in events if e.kind == "comm"]
+    rows = {r: _stack_rows([e for e in comm if e.rank == r]) for r in lanes}
+    n_rows = max([1] + [max(v.values()) + 1 for v in rows.values() if v])
+    ops_seen: dict[str, str] = {}
+    for i, rank in enumerate(lanes):
+        base = len(lanes) - 1 - i  # rank 0 on top
+        compute = [e for e in events if e.kind == "compute" and e.rank == rank]
+        phases = [e for e in compute if any(_contains(e, o) for o in compute)]
+        for e in compute:
+            is_phase = e in phases
+            y, h = (base - 0.42, 0.07) if is_phase else (base - 0.33 if phases else base - 0.42, 0.33 if phases else 0.42)
+            color = COMPUTE_SHADES.get(e.op, style.OP_COLORS["compute"])
+            ops_seen.setdefault(e.op, color)
+            x, w = (e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 1e-3)
+            ax.broken_barh([(x, w)], (y, h), facecolors=color, edgecolor="white", linewidth=0.4,
+                           gid=f"compute:{rank}:{e.op}:{shown(e.label)}")
+            name = shown(e.label) if e.label else e.op
+            if text and not is_phase and w * points_per_ms > 4.3 * len(name) + 4:
+                ax.text(x + w / 2, y + h / 2, name, ha="center", va="center", fontsize=6.5, clip_on=True)
+        h = 0.46 / n_rows
+        for e in (e for e in comm if e.rank == rank):
+            y = base + 0.02 + rows[rank][id(e)] * h
+            color = style.OP_COLORS.get(e.op, "#444444")
+            ops_seen.setdefault(e.op, color)
+            x, w = (e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 2e-3)
+            ax.broken_barh([(x, w)], (y, h * 0.9), facecolors=color, edgecolor="black", linewidth=0.3,
+                           gid=f"comm:{rank}:{e.op}:{shown(e.label)}")
+            words = f"{shown(e.label)}  {format_bytes(e.bytes)}"
+            if text and w * points_per_ms > 4.0 * len(words) + 4:
+                ax.text(x + 2 * span_ms / 1000, y + h * 0.45, words, ha="left", va="center",
+                        fontsize=6.5, color="white", clip_on=True)
+
+    ax.set_yticks(range(len(lanes)), [f"rank {r}" for r in reversed(lanes)])
+    ax.set_ylim(-0.55, len(lanes) - 0.45)
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_xlabel("time (ms)")
+    ax.spines[["top", "right"]].set_visible(False)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=op.replace("_", "-")) for op, c in ops_seen.items()]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+# -- memory per rank ------------------------------------------------------------------------------------
+def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] | None = None,
+                limit: float | None = None, limit_label: str = "", title: str = "", width: float = 6.0):
+    """Stacked bars of bytes held in params, grads and optimizer state, one pair per rank.
+
+    memory: a run report (uses its ``memory`` and ``memory_expected``) or a list of
+        {"params", "grads", "optimizer"} dicts, one per rank (or per configuration, with ``names``).
+    expected: the same from ``minitp.cost.memory_per_rank``, drawn hatched beside each measured bar.
+    limit: a horizontal line (e.g. a GPU's memory) in bytes, named by ``limit_label``.
+    """
+    if isinstance(memory, dict) and "memory" in memory:
+        expected = memory.get("memory_expected") if expected is None else expected
+        memory = memory["memory"]
+    memory = list(memory)
+    if expected is not None and len(expected) != len(memory):
+        raise ValueError(f"{len(memory)} measured entries but {len(expected)} expected ones")
+    names = names or [f"rank {i}" for i in range(len(memory))]
+    totals = [sum(m[k] for k in KIND_COLORS) for m in memory + list(expected or [])]
+    unit, scale = _byte_scale(max(totals + [limit or 0]))
+
+    fig = style.figure(width, 3.0)
+    ax = fig.add_subplot()
+    pairs = [("held", memory, 0.0)] if expected is None else [("held", memory, -0.2), ("expected", expected, 0.2)]
+    bar_w = 0.7 if expected is None else 0.38
+    for which, entries, shift in pairs:
+        for i, m in enumerate(entries):
+            bottom = 0.0
+            for kind, color in KIND_COLORS.items():
+                value = m[kind] / scale
+                ax.bar(i + shift, value, bar_w, bottom=bottom, color=color, gid=f"{which}:{i}:{kind}",
+                       alpha=1.0 if which == "held" else 0.45, hatch=None if which == "held" else "//",
+                       edgecolor="white" if which == "held" else color, linewidth=0.5)
+                bottom += value
+            ax.text(i + shift, bottom, f"{bottom:.3g}", ha="center", va="bottom", fontsize=7)
+    if limit is not None:
+        ax.axhline(limit / scale, color="#D55E00", linestyle="--", linewidth=1, gid="limit")
+        if limit_label:
+            ax.text(len(memory) - 0.5, limit / scale, limit_label, ha="right", va="bottom", fontsize=8,
+                    color="#D55E00")
+    ax.set_xticks(range(len(memory)), names)
+    ax.set_ylabel(f"held ({unit})")
+    ax.set_ylim(0, max(totals + [limit or 0]) / scale * 1.15)
+    ax.spines[["top", "right"]].set_visible(False)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in KIND_COLORS.items()]
+    if expected is not None:
+        handles += [Patch(facecolor="#888888", label="measured"),
+                    Patch(facecolor="white", edgecolor="#888888", hatch="//", label="formula")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+# -- loss against the reference ------------------------------------------------------------------------
+def loss_curve(run, reference: list[float] | None = None, *, title: str = "", width: float = 8.0):
+    """The loss per step of one or more runs next to the one-process reference.
+
+    run: a run report (uses ``loss`` and ``reference_loss``), a list of losses, or
+        {name: losses} for several runs.
+    reference: the one-process losses (taken from the report when ``run`` is one).
+    """
+    if isinstance(run, dict) and "loss" in run and "reference_loss" in run:
+        reference = run["reference_loss"] if reference is None else reference
+        runs = {f"{run.get('strategy', 'run')}, {run.get('world_size', '?')} ranks": run["loss"]}
+    elif isinstance(run, dict):
+        runs = dict(run)
+    else:
+        runs = {"run": list(run)}
+    fig = style.figure(width, 2.8)
+    ax, ax_diff = fig.subplots(1, 2, width_ratios=[3, 2]) if reference is not None else (fig.add_subplot(), None)
+    if reference is not None:
+        ax.plot(range(len(reference)), reference, color="black", linestyle="--", linewidth=1.5,
+                label="one process", gid="reference", zorder=3)
+    for i, (name, losses) in enumerate(runs.items()):
+        color = style.RANK_COLORS[(i + 1) % len(style.RANK_COLORS)] if len(runs) > 1 else style.RANK_COLORS[0]
+        ax.plot(range(len(losses)), losses, marker="o", markersize=4, color=color, label=name, gid=f"loss:{name}")
+        if ax_diff is not None:
+            diffs = [abs(a - b) for a, b in zip(losses, reference)]
+            shown = [d if d > 0 else math.nan for d in diffs]
+            ax_diff.plot(range(len(shown)), shown, marker="o", markersize=4, color=color, gid=f"diff:{name}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    if ax_diff is not None:
+        ax_diff.set_yscale("log")
+        ax_diff.set_xlabel("step")
+        ax_diff.set_ylabel("|loss - one process|")
+        ax_diff.spines[["top", "right"]].set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+__all__ = ["timeline", "memory_bars", "loss_curve", "format_bytes", "KIND_COLORS", "COMPUTE_SHADES"]

@@ -1,0 +1,207 @@
+"""The chapter 00 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minitp import comm, ring
+from minitp.exercises import ExerciseError
+from minitp.exercises import ch00
+
+
+# -- ring all-reduce: the answer and planted mistakes --------------------------------------------
+def _ring_all_reduce(tensor, *, add=True, rs_offset=0, send_offset=0, left_step=-1, steps_less=0,
+                     whole=False):
+    """A ring all-reduce with knobs that plant one typical mistake each."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % n, (r + left_step) % n
+    chunks = list(tensor.view(-1).chunk(n))
+    for s in range(n - 1 - steps_less):
+        send_i, recv_i = (r - s + send_offset) % n, (r - s - 1 + rs_offset) % n
+        incoming = torch.empty_like(tensor if whole else chunks[recv_i])
+        h = comm.isend(tensor if whole else chunks[send_i], right)
+        comm.recv(incoming, left)
+        h.wait()
+        if whole:
+            incoming = incoming.view(-1).chunk(n)[send_i - 1 if send_offset == 0 else recv_i]
+        if add:
+            chunks[recv_i] += incoming
+        else:
+            chunks[recv_i].copy_(incoming)
+    for s in range(n - 1):
+        send_i, recv_i = (r + 1 - s) % n, (r - s) % n
+        h = comm.isend(tensor if whole else chunks[send_i], right)
+        if whole:
+            buf = torch.empty_like(tensor)
+            comm.recv(buf, left)
+            chunks[recv_i].copy_(buf.view(-1).chunk(n)[recv_i])
+        else:
+            comm.recv(chunks[recv_i], left)
+        h.wait()
+    return tensor
+
+
+def right_answer(tensor):
+    return _ring_all_reduce(tensor)
+
+
+def copies_instead_of_adding(tensor):
+    return _ring_all_reduce(tensor, add=False)
+
+
+def off_by_one_receive_index(tensor):
+    return _ring_all_reduce(tensor, rs_offset=1)
+
+
+def sends_the_wrong_chunk(tensor):
+    return _ring_all_reduce(tensor, send_offset=1)
+
+
+def receives_from_the_wrong_neighbour(tensor):
+    return _ring_all_reduce(tensor, left_step=+1)
+
+
+def stops_one_step_early(tensor):
+    return _ring_all_reduce(tensor, steps_less=1)
+
+
+def sends_whole_tensor(tensor):
+    return _ring_all_reduce(tensor, whole=True)
+
+
+def not_in_place(tensor):
+    out = tensor.clone()
+    ring.ring_all_reduce(out)
+    return out
+
+
+def uses_all_reduce(tensor):
+    comm.all_reduce(tensor)
+    return tensor
+
+
+def untraced(tensor):
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def stub(tensor):
+    raise NotImplementedError("exercise: write the ring all-reduce")
+
+
+def test_ring_all_reduce_accepts_the_right_answer(capsys):
+    ch00.check_ring_all_reduce(right_answer)
+    assert "[ok] ring all-reduce: correct" in capsys.readouterr().out
+
+
+def test_ring_all_reduce_accepts_minitp_own_ring():
+    ch00.check_ring_all_reduce(ring.ring_all_reduce)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (copies_instead_of_adding, "ADD the incoming chunk"),
+    (off_by_one_receive_index, "wrong tensor"),
+    (sends_the_wrong_chunk, "wrong tensor"),
+    (stops_one_step_early, "only"),
+    (sends_whole_tensor, "not the whole tensor"),
+    (not_in_place, "in place"),
+    (uses_all_reduce, "send / comm.recv"),
+    (untraced, "no message was traced"),
+    (stub, "not done yet"),
+])
+def test_ring_all_reduce_catches_mistake(fn, expected):
+    with pytest.raises(ExerciseError, match=expected):
+        ch00.check_ring_all_reduce(fn)
+
+
+def test_ring_all_reduce_says_which_ranks_a_copied_chunk_holds():
+    with pytest.raises(ExerciseError) as info:
+        ch00.check_ring_all_reduce(copies_instead_of_adding)
+    assert "sum of ranks" in str(info.value) or "data only" in str(info.value)
+
+
+def test_ring_all_reduce_catches_a_hang_from_the_wrong_neighbour():
+    with pytest.raises(ExerciseError, match="hung.*left one"):
+        ch00.check_ring_all_reduce(receives_from_the_wrong_neighbour, timeout=3)
+
+
+# -- ring all-gather -----------------------------------------------------------------------------
+def _ring_all_gather(output, input, *, offset=0, copy_own=True, whole=False):
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(output.view(-1).chunk(n))
+    if copy_own:
+        chunks[r].copy_(input)
+    for s in range(n - 1):
+        send_i, recv_i = (r - s) % n, (r - s - 1 + offset) % n
+        h = comm.isend(output if whole else chunks[send_i], (r + 1) % n)
+        if whole:
+            buf = torch.empty_like(output)
+            comm.recv(buf, (r - 1) % n)
+            chunks[recv_i].copy_(buf.view(-1).chunk(n)[recv_i])
+        else:
+            comm.recv(chunks[recv_i], (r - 1) % n)
+        h.wait()
+    return output
+
+
+def gather_right(output, input):
+    return _ring_all_gather(output, input)
+
+
+def gather_off_by_one(output, input):
+    return _ring_all_gather(output, input, offset=1)
+
+
+def gather_forgets_own_input(output, input):
+    return _ring_all_gather(output, input, copy_own=False)
+
+
+def gather_sends_whole_output(output, input):
+    return _ring_all_gather(output, input, whole=True)
+
+
+def gather_stub(output, input):
+    raise NotImplementedError
+
+
+def test_ring_all_gather_accepts_the_right_answer(capsys):
+    ch00.check_ring_all_gather(gather_right)
+    assert "[ok] ring all-gather: correct" in capsys.readouterr().out
+
+
+def test_ring_all_gather_accepts_minitp_own_ring():
+    ch00.check_ring_all_gather(ring.ring_all_gather)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (gather_off_by_one, "expected rank \\d's input, got rank \\d's input"),
+    (gather_forgets_own_input, "nothing \\(never written\\)"),
+    (gather_sends_whole_output, "not the whole tensor"),
+    (gather_stub, "not done yet"),
+])
+def test_ring_all_gather_catches_mistake(fn, expected):
+    with pytest.raises(ExerciseError, match=expected):
+        ch00.check_ring_all_gather(fn)
+
+
+# -- bytes by hand -------------------------------------------------------------------------------
+def bytes_right(op, nbytes, n):
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+
+def test_ring_bytes_accepts_the_right_answer(capsys):
+    ch00.check_ring_bytes(bytes_right)
+    assert "[ok] ring bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda op, B, n: (n - 1) / n * B, "one phase only"),
+    (lambda op, B, n: 2 * (n - 1) / n * B, "is just one of its two phases"),
+    (lambda op, B, n: (2 if op == "all_reduce" else 1) * (n - 1) * B, "divide by n"),
+    (lambda op, B, n: (2 if op == "all_reduce" else 1) * B, "n - 1 steps"),
+    (lambda op, B, n: None, "returned None"),
+    (lambda op, B, n: (_ for _ in ()).throw(NotImplementedError()), "not done yet"),
+])
+def test_ring_bytes_catches_mistake(fn, expected):
+    with pytest.raises(ExerciseError, match=expected):
+        ch00.check_ring_bytes(fn)

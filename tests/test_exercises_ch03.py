@@ -1,0 +1,135 @@
+"""The chapter 03 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import pytest
+import torch
+
+from minitp import comm
+from minitp.exercises import ExerciseError, ch03
+
+
+# -- the row-parallel forward --------------------------------------------------------------------
+def row_right(x_shard, weight_shard, bias, group):
+    return comm.reduce_from_parallel(x_shard @ weight_shard.T, group) + bias
+
+
+def row_bias_on_every_rank(x_shard, weight_shard, bias, group):
+    return comm.reduce_from_parallel(x_shard @ weight_shard.T + bias, group)
+
+
+def row_no_all_reduce(x_shard, weight_shard, bias, group):
+    return x_shard @ weight_shard.T + bias
+
+
+def row_wrong_dimension(x_shard, weight_shard, bias, group):
+    return comm.reduce_from_parallel(x_shard @ weight_shard, group) + bias
+
+
+def row_all_reduce_in_backward_too(x_shard, weight_shard, bias, group):
+    y = comm.reduce_from_parallel(comm.copy_to_parallel(x_shard @ weight_shard.T, group), group)
+    return y + bias
+
+
+def row_untraced(x_shard, weight_shard, bias, group):
+    import torch.distributed as dist
+
+    y = x_shard @ weight_shard.T
+    dist.all_reduce(y)
+    return y + bias
+
+
+def row_stub(x_shard, weight_shard, bias, group):
+    raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+def test_row_parallel_forward_accepts_the_answer(capsys):
+    ch03.check_row_parallel_forward(row_right)
+    assert "[ok] row-parallel forward" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (row_bias_on_every_rank, "added on every rank"),
+    (row_no_all_reduce, "only its own partial sum"),
+    (row_wrong_dimension, "not its transpose"),
+    (row_all_reduce_in_backward_too, "nothing backward"),
+    (row_untraced, "no message was traced"),
+    (row_stub, "not done yet"),
+])
+def test_row_parallel_forward_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ch03.check_row_parallel_forward(answer)
+
+
+# -- the f operator ------------------------------------------------------------------------------
+class FRight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class FNoAllReduceInBackward(FRight):
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class FAllReduceInForward(FRight):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        comm.all_reduce(x, group=group)
+        return x
+
+
+class FAverages(FRight):
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad / comm.group_size(ctx.group), None
+
+
+class FStub(FRight):
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+def test_f_operator_accepts_the_answer(capsys):
+    ch03.check_f_operator(FRight)
+    assert "[ok] f operator" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (FNoAllReduceInBackward, "only this rank's part"),
+    (FAllReduceInForward, "forward changed x"),
+    (FAverages, "0.5 times the right one"),
+    (FStub, "not done yet"),
+])
+def test_f_operator_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch03.check_f_operator(answer)
+
+
+# -- bytes -----------------------------------------------------------------------------------------
+def test_pair_bytes_accepts_the_formula(capsys):
+    ch03.check_pair_bytes(lambda B, S, D, n, b: 2 * 2 * (n - 1) / n * B * S * D * b)
+    assert "[ok]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda B, S, D, n, b: 2 * (n - 1) / n * B * S * D * b, "f sends one more"),
+    (lambda B, S, D, n, b: 2 * B * S * D * b, "not A"),
+    (lambda B, S, D, n, b: 4 * (n - 1) / n * B * S * D, "bytes per element"),
+    (lambda B, S, D, n, b: None, "returned None"),
+])
+def test_pair_bytes_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch03.check_pair_bytes(answer)

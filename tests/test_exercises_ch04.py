@@ -1,0 +1,119 @@
+"""The chapter 04 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import pytest
+import torch.nn.functional as F
+
+from minitp import comm
+from minitp.exercises import ExerciseError, ch04
+
+
+# -- splitting the weights -------------------------------------------------------------------------
+def split_right(w1, w3, w2, rank, n):
+    return w1.chunk(n, dim=0)[rank], w3.chunk(n, dim=0)[rank], w2.chunk(n, dim=1)[rank]
+
+
+def split_w1_along_d(w1, w3, w2, rank, n):
+    return w1.chunk(n, dim=1)[rank], w3.chunk(n, dim=1)[rank], w2.chunk(n, dim=1)[rank]
+
+
+def split_w2_like_w1(w1, w3, w2, rank, n):
+    return w1.chunk(n, dim=0)[rank], w3.chunk(n, dim=0)[rank], w2.chunk(n, dim=0)[rank]
+
+
+def split_w1_and_w3_differently(w1, w3, w2, rank, n):
+    return w1.chunk(n, dim=0)[rank], w3.chunk(n, dim=0)[(rank + 1) % n], w2.chunk(n, dim=1)[rank]
+
+
+def split_w1_strided(w1, w3, w2, rank, n):  # interleaved units for w1 only
+    return w1[rank::n], w3.chunk(n, dim=0)[rank], w2.chunk(n, dim=1)[rank]
+
+
+def split_w2_wrong_units(w1, w3, w2, rank, n):
+    return w1.chunk(n, dim=0)[rank], w3.chunk(n, dim=0)[rank], w2.chunk(n, dim=1)[(rank + 1) % n]
+
+
+def split_every_rank_the_same(w1, w3, w2, rank, n):
+    return w1.chunk(n, dim=0)[0], w3.chunk(n, dim=0)[0], w2.chunk(n, dim=1)[0]
+
+
+def split_stub(w1, w3, w2, rank, n):
+    raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+def test_split_swiglu_accepts_the_answer(capsys):
+    ch04.check_split_swiglu(split_right)
+    assert "[ok] split the SwiGLU weights" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (split_w1_along_d, "split w1 along D"),
+    (split_w2_like_w1, "the same way as w1"),
+    (split_w1_and_w3_differently, "W1 and W3 must be split the same way"),
+    (split_w1_strided, "W1 and W3 must be split the same way"),
+    (split_w2_wrong_units, "w2 reads units"),
+    (split_every_rank_the_same, "held twice"),
+    (split_stub, "not done yet"),
+])
+def test_split_swiglu_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch04.check_split_swiglu(answer)
+
+
+# -- the parallel forward -----------------------------------------------------------------------------
+def swiglu_right(x, w1, w3, w2, group):
+    x = comm.copy_to_parallel(x, group)
+    h = F.silu(F.linear(x, w1)) * F.linear(x, w3)
+    return comm.reduce_from_parallel(F.linear(h, w2), group)
+
+
+def swiglu_forgets_g(x, w1, w3, w2, group):
+    x = comm.copy_to_parallel(x, group)
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def swiglu_forgets_f(x, w1, w3, w2, group):
+    return comm.reduce_from_parallel(F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2), group)
+
+
+def swiglu_sums_before_silu(x, w1, w3, w2, group):
+    x = comm.copy_to_parallel(x, group)
+    a = comm.reduce_from_parallel(F.linear(x, w1), group)
+    return comm.reduce_from_parallel(F.linear(F.silu(a) * F.linear(x, w3), w2), group)
+
+
+def swiglu_f_per_linear(x, w1, w3, w2, group):
+    h = F.silu(F.linear(comm.copy_to_parallel(x, group), w1)) * F.linear(comm.copy_to_parallel(x, group), w3)
+    return comm.reduce_from_parallel(F.linear(h, w2), group)
+
+
+def test_parallel_swiglu_accepts_the_answer(capsys):
+    ch04.check_parallel_swiglu(swiglu_right)
+    assert "[ok] tensor-parallel SwiGLU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (swiglu_forgets_g, "only its partial sum"),
+    (swiglu_forgets_f, "Enter the region with f"),
+    (swiglu_sums_before_silu, "summing before a SiLU"),
+    (swiglu_f_per_linear, "Apply f once"),
+])
+def test_parallel_swiglu_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch04.check_parallel_swiglu(answer)
+
+
+# -- bytes per rank --------------------------------------------------------------------------------
+def test_swiglu_bytes_accepts_the_formula(capsys):
+    ch04.check_swiglu_bytes_per_rank(lambda d, f, tp, b: 3 * d * f * b / tp)
+    assert "[ok]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda d, f, tp, b: 3 * d * f * b, "1/tp of every matrix"),
+    (lambda d, f, tp, b: d * f * b / tp, "That is one matrix"),
+    (lambda d, f, tp, b: 2 * d * f * b / tp, "w1 and w3"),
+    (lambda d, f, tp, b: 3 * d * f / tp, "bytes per element"),
+])
+def test_swiglu_bytes_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch04.check_swiglu_bytes_per_rank(answer)

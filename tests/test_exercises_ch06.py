@@ -1,0 +1,149 @@
+"""The chapter 06 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import pytest
+
+from minitp import cost
+from minitp.exercises import ExerciseError, ch06
+
+
+# -- a rank's coordinates and groups -----------------------------------------------------------------
+def position_right(rank, dp, pp, tp):
+    d, p, t = rank // (pp * tp), rank // tp % pp, rank % tp
+
+    def at(d, p, t):
+        return (d * pp + p) * tp + t
+    return (d, p, t), {"tp": [at(d, p, x) for x in range(tp)], "pp": [at(d, x, t) for x in range(pp)],
+                       "dp": [at(x, p, t) for x in range(dp)]}
+
+
+def position_dp_fastest(rank, dp, pp, tp):
+    d, p, t = rank % dp, rank // dp % pp, rank // (dp * pp)
+
+    def at(d, p, t):
+        return (t * pp + p) * dp + d
+    return (d, p, t), {"tp": [at(d, p, x) for x in range(tp)], "pp": [at(d, x, t) for x in range(pp)],
+                       "dp": [at(x, p, t) for x in range(dp)]}
+
+
+def position_pp_tp_swapped(rank, dp, pp, tp):
+    d, p, t = rank // (pp * tp), rank % pp, rank // pp % tp
+
+    def at(d, p, t):
+        return (d * tp + t) * pp + p
+    return (d, p, t), {"tp": [at(d, p, x) for x in range(tp)], "pp": [at(d, x, t) for x in range(pp)],
+                       "dp": [at(x, p, t) for x in range(dp)]}
+
+
+def position_wrong_dp_group(rank, dp, pp, tp):
+    coords, groups = position_right(rank, dp, pp, tp)
+    return coords, {**groups, "dp": [rank]}
+
+
+def position_stub(rank, dp, pp, tp):
+    raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+def test_mesh_position_accepts_the_answer(capsys):
+    ch06.check_mesh_position(position_right)
+    assert "[ok] a rank's coordinates and groups" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (position_dp_fastest, "you let dp vary fastest"),
+    (position_pp_tp_swapped, "pp and tp are swapped"),
+    (position_wrong_dp_group, "the dp group is"),
+    (position_stub, "not done yet"),
+])
+def test_mesh_position_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch06.check_mesh_position(answer)
+
+
+# -- bytes of one step -------------------------------------------------------------------------------
+def bytes_right(cfg, batch, seq, dp, tp, pp, stage):
+    return cost.threed_step_bytes(cfg, batch, seq, dp, tp, pp, stage)
+
+
+def bytes_without_dp(cfg, batch, seq, dp, tp, pp, stage):
+    return {**bytes_right(cfg, batch, seq, dp, tp, pp, stage), "dp": 0}
+
+
+def bytes_global_batch(cfg, batch, seq, dp, tp, pp, stage):
+    right = bytes_right(cfg, batch, seq, dp, tp, pp, stage)
+    return {**right, "tp": right["tp"] * dp}
+
+
+def bytes_blocks_only(cfg, batch, seq, dp, tp, pp, stage):
+    blocks = cost.stage_num_blocks(cfg.n_layers, pp, stage) * cost.tp_block_bytes(batch // dp, seq, cfg.dim, tp)
+    return {**bytes_right(cfg, batch, seq, dp, tp, pp, stage), "tp": blocks}
+
+
+def bytes_whole_model(cfg, batch, seq, dp, tp, pp, stage):
+    return {**bytes_right(cfg, batch, seq, dp, tp, pp, stage), "dp": 2 * (dp - 1) / dp * 4 * cfg.num_params()}
+
+
+def test_step_bytes_accepts_the_answer(capsys):
+    ch06.check_step_bytes(bytes_right)
+    assert "[ok] bytes of one step per dimension" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (bytes_without_dp, "you left out the dp bytes"),
+    (bytes_global_batch, "the global batch"),
+    (bytes_blocks_only, "the blocks alone"),
+    (bytes_whole_model, "whole model's parameters"),
+    (lambda *a: [1, 2, 3], "return a dict"),
+])
+def test_step_bytes_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch06.check_step_bytes(answer)
+
+
+# -- the layout that fits ----------------------------------------------------------------------------
+def _choose(cfg, gpus, budget, node, per_param=16, whole=False):
+    best = None
+    for dp, pp, tp in ch06.mesh_layouts(gpus):
+        if tp > node:
+            continue
+        try:
+            cost.check_3d_layout(cfg, dp, pp, tp)
+        except ValueError:
+            continue
+        held = cfg.num_params() if whole else max(cost.threed_params_per_rank(cfg, tp, pp, s) for s in range(pp))
+        if held * per_param <= budget and (best is None or (dp, tp) > (best[0], best[2])):
+            best = (dp, pp, tp)
+    return best
+
+
+def test_choose_layout_accepts_the_answer(capsys):
+    ch06.check_choose_layout(lambda cfg, gpus, budget, node: _choose(cfg, gpus, budget, node))
+    assert "[ok] the layout that fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda cfg, gpus, budget, node: _choose(cfg, gpus, budget, node, per_param=4), "without the optimizer"),
+    (lambda cfg, gpus, budget, node: _choose(cfg, gpus, budget, node, per_param=32), "also fits"),
+    (lambda cfg, gpus, budget, node: (gpus, 1, 1), "more than"),
+    (lambda cfg, gpus, budget, node: None, "returned None"),
+    (lambda cfg, gpus, budget, node: (1, 1, gpus), "tp=64"),
+])
+def test_choose_layout_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch06.check_choose_layout(answer)
+
+
+def test_choose_layout_wants_none_when_nothing_fits():
+    def never_none(cfg, gpus, budget, node):
+        return _choose(cfg, gpus, budget, node) or (1, 1, 8)
+    with pytest.raises(ExerciseError, match="no layout fits"):
+        ch06.check_choose_layout(never_none)
+
+
+def _stub(*args):
+    raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+@pytest.mark.parametrize("checker", [ch06.check_step_bytes, ch06.check_choose_layout])
+def test_a_stub_is_not_done_yet(checker):
+    with pytest.raises(ExerciseError, match="not done yet"):
+        checker(_stub)

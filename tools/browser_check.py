@@ -1,0 +1,247 @@
+"""Open the built website in a real browser (headless Chromium) and check what a reader would see.
+
+For the home page and every chapter page of a built site (``make site``) this
+
+* serves the site over HTTP on 127.0.0.1 (a free port), as a reader's browser would get it;
+* lets Chromium load the page, run its scripts (MathJax) and take a screenshot (1280 x 4000);
+* checks that every figure stored in the chapter's notebook is in the page as a PNG image, that the
+  formulas were typeset by MathJax without errors, and that the screenshot is a real page (many
+  colours, not one flat colour), not an empty or broken one.
+
+    python tools/browser_check.py site --screenshots build/screenshots
+
+exits 1 and says what is wrong when a page fails; ``tests/test_site.py`` runs the same checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHROMIUM_NAMES = ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+    "--window-size=1280,4000",
+    # run the page's scripts (MathJax) to the end, on a virtual clock, before the screenshot/DOM
+    "--virtual-time-budget=20000",
+]
+PNG_IMG = re.compile(r"<img\b[^>]*\bsrc=\"data:image/png;base64,", re.IGNORECASE)
+MATH_TYPESET = re.compile(r"id=\"MathJax-Element-\d+-Frame\"")
+MATH_ERRORS = ("Math Processing Error", 'class="mjx-merror"', 'class="merror"')
+TEX_MATH = re.compile(r"\$[^$\n]+\$")  # a $...$ or $$...$$ span in notebook Markdown
+MIN_COLOURS = 64  # a rendered page has anti-aliased text and figures: thousands of colours
+
+
+def find_chromium() -> str | None:
+    """The Chromium executable: $MINITP_CHROMIUM, else the first of the usual names on PATH."""
+    named = os.environ.get("MINITP_CHROMIUM")
+    if named:
+        return named if shutil.which(named) else None
+    for name in CHROMIUM_NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+        pass
+
+
+@contextmanager
+def serve(site_dir: Path) -> Iterator[str]:
+    """Serve ``site_dir`` on 127.0.0.1 (a free port) while the block runs; yields the base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(site_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def run_chromium(chromium: str, url: str, extra: list[str], timeout: float = 120) -> str:
+    """Run headless Chromium once on ``url`` with a fresh profile; return its standard output."""
+    with tempfile.TemporaryDirectory(prefix="minitp-chromium-") as profile:
+        command = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, url]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise RuntimeError(f"chromium exited with {done.returncode} on {url}:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def screenshot_colours(path: Path) -> tuple[int, float]:
+    """Distinct colours in the screenshot, and the share of pixels taken by the most common one."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        rgb = image.convert("RGB")
+        counts = rgb.getcolors(maxcolors=rgb.width * rgb.height)
+    total = sum(count for count, _ in counts)
+    return len(counts), max(count for count, _ in counts) / total
+
+
+def notebook_expectations(notebook: Path) -> tuple[int, int]:
+    """(PNG figures among the stored outputs, formulas in the Markdown cells) of a notebook."""
+    cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
+    figures = formulas = 0
+    for cell in cells:
+        if cell.get("cell_type") == "code":
+            figures += sum("image/png" in output.get("data", {}) for output in cell.get("outputs", []))
+        elif cell.get("cell_type") == "markdown":
+            source = cell.get("source", "")
+            text = "".join(source) if isinstance(source, list) else source
+            text = re.sub(r"```.*?```|`[^`\n]*`", "", text, flags=re.DOTALL)  # not math inside code
+            formulas += len(TEX_MATH.findall(text))
+    return figures, formulas
+
+
+@dataclass
+class PageReport:
+    """What the browser showed for one page, and what was wrong with it."""
+
+    page: str
+    screenshot: Path
+    figures_expected: int = 0
+    figures_in_page: int = 0
+    formulas_expected: int = 0
+    formulas_typeset: int = 0
+    colours: int = 0
+    top_colour_share: float = 1.0
+    problems: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        state = "ok  " if not self.problems else "FAIL"
+        return (
+            f"{state} {self.page}: {self.figures_in_page}/{self.figures_expected} figures, "
+            f"{self.formulas_typeset} formulas typeset ({self.formulas_expected} in the notebook), "
+            f"screenshot {self.colours} colours ({self.screenshot})"
+            + "".join(f"\n     - {problem}" for problem in self.problems)
+        )
+
+
+def chapter_pages(site_dir: Path) -> list[Path]:
+    """The built chapter pages, ``notebooks/NN_name/index.html``, in order."""
+    return sorted((site_dir / "notebooks").glob("[0-9][0-9]_*/index.html"))
+
+
+def check_page(
+    chromium: str, base_url: str, site_dir: Path, page: Path, screenshots: Path, notebook: Path | None
+) -> PageReport:
+    relative = page.relative_to(site_dir).as_posix()
+    name = page.parent.name if page.parent != site_dir else "index"
+    report = PageReport(page=relative, screenshot=screenshots / f"{name}.png")
+    url = base_url + relative.removesuffix("index.html")
+    html = page.read_text(encoding="utf-8")
+    report.figures_in_page = len(PNG_IMG.findall(html))
+    if notebook is not None:
+        report.figures_expected, report.formulas_expected = notebook_expectations(notebook)
+        if report.figures_in_page < report.figures_expected:
+            report.problems.append(
+                f"the notebook stores {report.figures_expected} PNG figures, the page has "
+                f"{report.figures_in_page}"
+            )
+
+    dom = run_chromium(chromium, url, ["--dump-dom"])
+    report.formulas_typeset = len(MATH_TYPESET.findall(dom))
+    errors = [error for error in MATH_ERRORS if error in dom]
+    if errors:
+        report.problems.append(f"MathJax reported errors: {errors}")
+    if report.formulas_expected and not report.formulas_typeset:
+        report.problems.append(
+            f"{report.formulas_expected} formulas in the notebook, none typeset: MathJax did not load "
+            "(a site built without a local MathJax loads it from a CDN; apt-get install libjs-mathjax)"
+        )
+    if "</article>" not in dom and "md-content" not in dom:
+        report.problems.append("the page has no article content after loading")
+
+    report.screenshot.parent.mkdir(parents=True, exist_ok=True)
+    report.screenshot.unlink(missing_ok=True)
+    run_chromium(chromium, url, [f"--screenshot={report.screenshot}"])
+    if not report.screenshot.is_file() or report.screenshot.stat().st_size == 0:
+        report.problems.append("chromium wrote no screenshot")
+    else:
+        report.colours, report.top_colour_share = screenshot_colours(report.screenshot)
+        if report.colours < MIN_COLOURS or report.top_colour_share > 0.995:
+            report.problems.append(
+                f"the screenshot looks blank: {report.colours} colours, the commonest covers "
+                f"{report.top_colour_share:.1%} of it"
+            )
+    return report
+
+
+def check_site(
+    site_dir: Path, screenshots: Path, notebook_dir: Path | None = None, chromium: str | None = None
+) -> list[PageReport]:
+    """Check the home page and every chapter page of a built site; one report per page.
+
+    The figures and formulas a chapter must show are counted in its notebook: the copy published next
+    to the page (mkdocs-jupyter ``include_source``), else ``notebook_dir/NN_name.ipynb``.
+    """
+    site_dir, screenshots = Path(site_dir).resolve(), Path(screenshots).resolve()
+    chromium = chromium or find_chromium()
+    if chromium is None:
+        raise FileNotFoundError("no Chromium found (apt-get install chromium, or set MINITP_CHROMIUM)")
+    if not (site_dir / "index.html").is_file():
+        raise FileNotFoundError(f"no built site at {site_dir} (run make site)")
+    reports = []
+    with serve(site_dir) as base_url:
+        reports.append(check_page(chromium, base_url, site_dir, site_dir / "index.html", screenshots, None))
+        for page in chapter_pages(site_dir):
+            stem = page.parent.name
+            notebook = page.parent / f"{stem}.ipynb"
+            if not notebook.is_file() and notebook_dir is not None:
+                notebook = Path(notebook_dir) / f"{stem}.ipynb"
+            found = notebook if notebook.is_file() else None
+            reports.append(check_page(chromium, base_url, site_dir, page, screenshots, found))
+    if notebook_dir is not None:
+        built = {page.parent.name for page in chapter_pages(site_dir)}
+        for notebook in sorted(Path(notebook_dir).glob("[0-9][0-9]_*.ipynb")):
+            if notebook.stem not in built:
+                missing = PageReport(page=f"notebooks/{notebook.stem}/", screenshot=screenshots / "-")
+                missing.problems.append(f"{notebook.name} has no page in the site (rebuild it: make site)")
+                reports.append(missing)
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("site", type=Path, nargs="?", default=Path("site"), help="the built site")
+    parser.add_argument("--screenshots", type=Path, default=Path("build/screenshots"))
+    parser.add_argument("--notebooks", type=Path, default=Path("notebooks"))
+    args = parser.parse_args(argv)
+    notebooks = args.notebooks if args.notebooks.is_dir() else None
+    reports = check_site(args.site, args.screenshots, notebooks)
+    for report in reports:
+        print(report.line())
+    failed = [report for report in reports if report.problems]
+    print(f"{len(reports) - len(failed)} pages passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
