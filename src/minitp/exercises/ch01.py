@@ -26,12 +26,8 @@ _ANSWER = "answer"  # the scope the learner's calls are traced under
 
 
 # -- exercise 1: this rank's slice of the global batch ------------------------------------------------
-def _rows(t: torch.Tensor) -> list[int]:
-    return [int(v) for v in t[:, 0].tolist()]
-
-
 def check_split_batch(fn, world_sizes: tuple[int, ...] = (2, 4), batch_size: int = 8) -> None:
-    """``fn(batch, rank, world_size)`` must return rows [rank * B/n, (rank + 1) * B/n) of the batch."""
+    """``fn(batch, rank, world_size)`` must return rows [rank * m/n, (rank + 1) * m/n) of a batch of m rows."""
     name = "split the batch"
     batch = torch.arange(batch_size * 3, dtype=torch.float32).reshape(batch_size, 3)  # row i starts with 3i
     row_of = {int(batch[i, 0]): i for i in range(batch_size)}
@@ -45,7 +41,7 @@ def check_split_batch(fn, world_sizes: tuple[int, ...] = (2, 4), batch_size: int
             except NotImplementedError:
                 raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
                                     "Replace the stub with your answer and run the check again.") from None
-            where = f"global batch of {batch_size} rows on n = {n} ranks, rank {rank}"
+            where = f"global batch of m = {batch_size} rows on n = {n} ranks, rank {rank}"
             if not torch.equal(given, batch):
                 raise ExerciseError(f"{name}: {where}: your function changed the batch it was given; "
                                     "return a slice, do not write into `batch`.")
@@ -59,9 +55,9 @@ def check_split_batch(fn, world_sizes: tuple[int, ...] = (2, 4), batch_size: int
             if got.shape[0] == batch_size:
                 raise ExerciseError(f"{name}: {where}: you returned the whole batch ({batch_size} rows). Every rank "
                                     f"then computes the same gradient: n = {n} times the work for one rank's worth "
-                                    f"of learning. Keep B/n = {size} rows.")
+                                    f"of learning. Keep m/n = {size} rows.")
             if got.shape[0] != size:
-                raise ExerciseError(f"{name}: {where}: got {got.shape[0]} rows, expected B/n = {batch_size}/{n} = "
+                raise ExerciseError(f"{name}: {where}: got {got.shape[0]} rows, expected m/n = {batch_size}/{n} = "
                                     f"{size}: every rank gets an equal share, so that the mean of the ranks' mean "
                                     "losses is the mean loss of the whole batch.")
             want = list(range(rank * size, (rank + 1) * size))
@@ -71,11 +67,11 @@ def check_split_batch(fn, world_sizes: tuple[int, ...] = (2, 4), batch_size: int
             if rows == list(range(rank, batch_size, n)):
                 raise ExerciseError(f"{name}: {where}: you dealt the rows out like cards (batch[rank::n], rows "
                                     f"{rows}). That covers the batch too, but split_batch keeps each rank's rows "
-                                    f"together and in order: rows {want}, i.e. [rank * B/n, (rank + 1) * B/n).")
+                                    f"together and in order: rows {want}, i.e. [rank * m/n, (rank + 1) * m/n).")
             for k in range(n):
                 if k != rank and rows == list(range(k * size, (k + 1) * size)):
                     raise ExerciseError(f"{name}: {where}: you returned rank {k}'s rows {rows}; rank {rank}'s are "
-                                        f"{want}, i.e. batch[rank * B/n : (rank + 1) * B/n].")
+                                        f"{want}, i.e. batch[rank * m/n : (rank + 1) * m/n].")
             raise ExerciseError(f"{name}: {where}: expected rows {want}, got rows {rows}.")
         flat = [r for rows in got_rows for r in rows]
         if sorted(flat) != list(range(batch_size)) or len(set(flat)) != batch_size:  # pragma: no cover
@@ -181,7 +177,7 @@ def check_ddp_bytes(fn) -> None:
     """``fn(num_params, world_size, grad_bytes)`` must give ``cost.ddp_step_bytes``."""
     name = "DDP bytes per step"
     for psi in (180_800, 8_030_261_248):
-        for n in (2, 4, 8, 1, 64):
+        for n in (4, 2, 8, 1, 64):
             for b in (4, 2):
                 try:
                     got = fn(psi, n, b)
@@ -193,8 +189,9 @@ def check_ddp_bytes(fn) -> None:
                 want = cost.ddp_step_bytes(psi, n, grad_bytes=b)
                 if math.isclose(float(got), want, rel_tol=1e-9, abs_tol=1e-9):
                     continue
+                hint = _bytes_hint(float(got), psi, n, b)
                 raise ExerciseError(f"{name}: for Ψ = {psi:,} parameters, n = {n} ranks, {b}-byte gradients you "
-                                    f"gave {float(got):,.0f} bytes, expected {want:,.0f}. {_bytes_hint(float(got), psi, n, b)}")
+                                    f"gave {float(got):,.0f} bytes, expected {want:,.0f}. {hint}")
     passed(name, "2(n-1)/n · Ψ · b per rank, as minitp.cost.ddp_step_bytes")
 
 

@@ -1,0 +1,189 @@
+"""The chapter 01 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import pytest
+import torch
+
+from minitp import comm
+from minitp.exercises import ExerciseError, ch01
+
+
+# -- exercise 1: split the batch ------------------------------------------------------------------
+def split_right(batch, rank, world_size):
+    rows = batch.shape[0] // world_size
+    return batch[rank * rows:(rank + 1) * rows]
+
+
+def split_whole_batch(batch, rank, world_size):  # every rank sees everything
+    return batch
+
+
+def split_same_rows(batch, rank, world_size):  # every rank reads the first m/n rows (duplicated shards)
+    return batch[:batch.shape[0] // world_size]
+
+
+def split_overlapping(batch, rank, world_size):  # one row too many: neighbours overlap
+    rows = batch.shape[0] // world_size
+    return batch[rank * rows:(rank + 1) * rows + 1]
+
+
+def split_wrong_rank(batch, rank, world_size):
+    return split_right(batch, (rank + 1) % world_size, world_size)
+
+
+def split_strided(batch, rank, world_size):
+    return batch[rank::world_size]
+
+
+def split_columns(batch, rank, world_size):
+    cols = batch.shape[1]
+    return batch[:, rank * cols // world_size:(rank + 1) * cols // world_size]
+
+
+def split_in_place(batch, rank, world_size):
+    batch.zero_()
+    return split_right(batch, rank, world_size)
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+def test_split_right_passes(capsys):
+    ch01.check_split_batch(split_right)
+    assert "[ok] split the batch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, message", [
+    (split_whole_batch, "whole batch"),
+    (split_same_rows, "rank 0's rows"),
+    (split_overlapping, "expected m/n"),
+    (split_wrong_rank, "you returned rank 1's rows"),
+    (split_strided, "like cards"),
+    (split_columns, "slice along dim 0"),
+    (split_in_place, "changed the batch"),
+    (stub, "not done yet"),
+])
+def test_split_mistakes_caught(fn, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch01.check_split_batch(fn)
+
+
+# -- exercise 2: average a bucket (runs on 2 and 4 processes) -------------------------------------
+def average_right(bucket):
+    bucket /= comm.group_size()
+    comm.all_reduce(bucket)
+    return bucket
+
+
+def average_after(bucket):  # divide after the sum: also right, and returns nothing (in place)
+    comm.all_reduce(bucket)
+    bucket /= comm.group_size()
+
+
+def average_sums(bucket):
+    comm.all_reduce(bucket)
+    return bucket
+
+
+def average_missing_all_reduce(bucket):
+    return bucket / comm.group_size()
+
+
+def average_local_only(bucket):
+    return bucket
+
+
+def average_result_dropped(bucket):
+    out = bucket.clone()
+    comm.all_reduce(bucket)
+    return out / comm.group_size()
+
+
+def average_twice_divided(bucket):
+    n = comm.group_size()
+    bucket /= n
+    comm.all_reduce(bucket)
+    return bucket / n
+
+
+def average_per_element(bucket):  # right values, one message per element
+    n = comm.group_size()
+    for i in range(bucket.numel()):
+        piece = bucket[i:i + 1].clone()
+        comm.all_reduce(piece)
+        bucket[i] = piece[0] / n
+    return bucket
+
+
+def average_untraced(bucket):
+    import torch.distributed as dist
+
+    dist.all_reduce(bucket)
+    return bucket / dist.get_world_size()
+
+
+def average_with_gather(bucket):  # right values from an all-gather: wrong collective
+    n = comm.group_size()
+    out = torch.empty(n * bucket.numel())
+    comm.all_gather(out, bucket)
+    return out.view(n, -1).mean(0)
+
+
+def test_average_right_passes(capsys):
+    ch01.check_average_bucket(average_right)
+    assert "[ok] average a bucket" in capsys.readouterr().out
+
+
+def test_average_in_place_passes(capsys):
+    ch01.check_average_bucket(average_after, nprocs=(2,))
+    assert "[ok]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, message", [
+    (average_sums, "SUM over the ranks"),
+    (average_missing_all_reduce, "never summed over the ranks"),
+    (average_local_only, "still holds this rank's own gradient"),
+    (average_result_dropped, "never summed over the ranks"),
+    (average_twice_divided, "divided by n once more"),
+    (average_per_element, "exactly one of the whole bucket"),
+    (average_untraced, "no message was traced"),
+    (average_with_gather, "one comm.all_reduce"),
+    (stub, "not done yet"),
+])
+def test_average_mistakes_caught(fn, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch01.check_average_bucket(fn, nprocs=(2,))
+
+
+def test_average_checked_on_four_ranks_too():
+    def sums_only_on_four(bucket):  # right on 2 ranks, wrong on 4
+        n = comm.group_size()
+        comm.all_reduce(bucket)
+        return bucket / (n if n == 2 else 1)
+
+    with pytest.raises(ExerciseError, match="on 4 ranks"):
+        ch01.check_average_bucket(sums_only_on_four)
+
+
+# -- exercise 3: DDP bytes per step ---------------------------------------------------------------
+def bytes_right(num_params, world_size, grad_bytes):
+    return 2 * (world_size - 1) / world_size * num_params * grad_bytes
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda p, n, b: p * b, "2\\(n-1\\)/n"),                       # forgot the factor: the gradient's size
+    (lambda p, n, b: 2 * p * b, "not 2"),                          # forgot (n-1)/n
+    (lambda p, n, b: (n - 1) / n * p * b, "one half of the all-reduce"),
+    (lambda p, n, b: 2 * (n - 1) / n * p, "counted elements"),
+    (lambda p, n, b: 2 * (n - 1) * p * b, "n-1 chunks of B/n"),
+    (lambda p, n, b: None, "returned None"),
+    (stub, "not done yet"),
+])
+def test_bytes_mistakes_caught(fn, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch01.check_ddp_bytes(fn)
+
+
+def test_bytes_right_passes(capsys):
+    ch01.check_ddp_bytes(bytes_right)
+    assert "[ok] DDP bytes per step" in capsys.readouterr().out
