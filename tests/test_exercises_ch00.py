@@ -5,8 +5,7 @@ import torch
 import torch.distributed as dist
 
 from minitp import comm, ring
-from minitp.exercises import ExerciseError
-from minitp.exercises import ch00
+from minitp.exercises import ExerciseError, ch00
 
 
 # -- ring all-reduce: the answer and planted mistakes --------------------------------------------

@@ -21,16 +21,27 @@ def _fmt(v: float) -> str:
     return f"{int(v)}" if float(v).is_integer() else f"{v:.3g}"
 
 
-def _draw_row(ax, y: float, texts: list[str], faces: list[str], edges: list[str] | None = None,
-              widths: list[float] | None = None) -> None:
-    """A row of boxes at height y, one per value, text inside."""
+def _fmt_bytes(b: float) -> str:
+    """Bytes with a binary prefix: 512 B, 256 KiB, 1.5 MiB."""
+    for power, prefix in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if abs(b) >= 1024**power:
+            return f"{b / 1024**power:.3g} {prefix}"
+    return f"{b:.3g} B"
+
+
+def _draw_row(ax, y: float, texts: list[str], faces: list, edges: list[str] | None = None,
+              widths: list[float] | None = None, fontsize: float = 8) -> None:
+    """A row of boxes at height y, one per value, text inside (white on dark boxes)."""
+    from matplotlib.colors import to_rgb
     from matplotlib.patches import Rectangle
 
     for i, (text, face) in enumerate(zip(texts, faces)):
         edge = edges[i] if edges else "white"
         lw = widths[i] if widths else 1.0
         ax.add_patch(Rectangle((i, y - 0.4), 0.96, 0.8, facecolor=face, edgecolor=edge, linewidth=lw))
-        ax.text(i + 0.48, y, text, ha="center", va="center", fontsize=8)
+        dark = sum(to_rgb(face)) / 3 < 0.45
+        ax.text(i + 0.48, y, text, ha="center", va="center", fontsize=fontsize,
+                color="white" if dark else "black")
 
 
 def _lighten(color: str, amount: float = 0.55) -> tuple[float, float, float]:
@@ -115,12 +126,14 @@ def ring_steps(records: list[list[dict]], steps: list[int] | None = None, contri
     steps = list(range(len(records[0]))) if steps is None else list(steps)
     columns = columns or (min(len(steps), n) if len(steps) > 1 else 1)
     rows = math.ceil(len(steps) / columns)
-    fig = figure(2.05 * columns + 0.4, 1.9 * rows + 0.2)
+    fig = figure(2.3 * columns + 0.5, 1.9 * rows + 0.2)
     axes = fig.subplots(rows, columns, squeeze=False).reshape(-1)
     full = OP_COLORS["all_reduce"]
-    for ax, k in zip(axes, steps):
+    for i, (ax, k) in enumerate(zip(axes, steps)):
         entry0 = records[0][k]
         _rank_axes(ax, n, n, _step_title(entry0))
+        if i % columns:
+            ax.set_yticks([])
         ax.set_xticks([i + 0.48 for i in range(n)], [f"c{i}" for i in range(n)], fontsize=7)
         ax.tick_params(bottom=False, labeltop=True, labelbottom=False)
         for rank in range(n):
@@ -139,7 +152,7 @@ def ring_steps(records: list[list[dict]], steps: list[int] | None = None, contri
                 got = entry["received"] == c and entry["from"] is not None
                 edges.append(rank_color(entry["from"]) if got else "white")
                 widths.append(2.5 if got else 1.0)
-            _draw_row(ax, rank, texts, faces, edges, widths)
+            _draw_row(ax, rank, texts, faces, edges, widths, fontsize=7)
     for ax in axes[len(steps):]:
         ax.axis("off")
     return fig
@@ -171,11 +184,11 @@ def message_graph(events, title: str = "", unit: str = "B"):
                                 mutation_scale=14, shrinkA=16, shrinkB=16, color=rank_color(src),
                                 linewidth=1 + 2.5 * nbytes / most)
         ax.add_patch(arrow)
-        # label at the bulge of the arc, pushed outwards
+        # label just beyond the bulge of the arc: arc3 with rad=-0.25 bends towards (-dy, dx)
         mx, my = (x0 + x1) / 2, (y0 + y1) / 2
-        nx, ny = (y1 - y0), -(x1 - x0)
-        lx, ly = mx + 0.35 * nx, my + 0.35 * ny
-        ax.text(lx, ly, f"{count}× {nbytes:g} {unit}", ha="center", va="center", fontsize=7,
+        lx, ly = mx - 0.42 * (y1 - y0), my + 0.42 * (x1 - x0)
+        amount = _fmt_bytes(nbytes) if unit == "B" else f"{nbytes:g} {unit}"
+        ax.text(lx, ly, f"{count} msgs, {amount}", ha="center", va="center", fontsize=7,
                 color=rank_color(src))
     for r, (x, y) in pos.items():
         ax.add_patch(Circle((x, y), 0.17, facecolor=rank_color(r), edgecolor="white", zorder=3))
@@ -189,18 +202,27 @@ def message_graph(events, title: str = "", unit: str = "B"):
 
 def bytes_per_rank(sent: list[float], expected: float | list[float], title: str = "",
                    formula: str = "formula"):
-    """Bars: the bytes each rank sent (traced); dashed line or dots: what the formula says."""
+    """Bars: the bytes each rank sent (traced); dashed line or dots: what the formula says.
+    The axis counts in B, KiB, MiB or GiB, whichever suits the largest value."""
     n = len(sent)
+    values = [*sent, *([expected] if isinstance(expected, (int, float)) else expected)]
+    top = max(values, default=0)
+    scale, unit = 1, "B"
+    for power, prefix in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if top >= 1024**power:
+            scale, unit = 1024**power, prefix
+            break
     fig = figure(4.0, 2.6)
     ax = fig.subplots()
-    ax.bar(range(n), sent, color=[rank_color(r) for r in range(n)], label="traced")
+    ax.bar(range(n), [s / scale for s in sent], color=[rank_color(r) for r in range(n)], label="traced")
     if isinstance(expected, (int, float)):
-        ax.axhline(expected, color="black", linestyle="--", linewidth=1, label=formula)
+        ax.axhline(expected / scale, color="black", linestyle="--", linewidth=1, label=formula)
     else:
-        ax.plot(range(n), expected, "k_", markersize=20, label=formula)
+        ax.plot(range(n), [e / scale for e in expected], "k_", markersize=20, label=formula)
     ax.set_xticks(range(n), [f"rank {r}" for r in range(n)])
-    ax.set_ylabel("bytes sent")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylabel(f"bytes sent ({unit})")
+    ax.set_ylim(0, 1.35 * top / scale if top > 0 else 1)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig
