@@ -120,12 +120,12 @@ def format_report(report: dict) -> str:
     if "reference" in report:
         lines[-1:-1] = [f"  reference: {report['reference']}"]
     lines.append(f"{'rank':>4}  {'sent (traced)':>14}  {'sent (formula)':>14}  "
-                 f"{'params':>10}  {'grads':>10}  {'optimizer':>10}  {'step ms':>8}")
+                 f"{'params':>10}  {'grads':>10}  {'optimizer':>10}  {'step':>9}")
     for r in range(report["world_size"]):
         m = report["memory"][r]
         lines.append(f"{r:>4}  {report['comm_bytes_traced'][r]:>14,.0f}  {report['comm_bytes_expected'][r]:>14,.0f}  "
                      f"{m['params']:>10,}  {m['grads']:>10,}  {m['optimizer']:>10,}  "
-                     f"{report['step_s'][r] * 1e3:>8.1f}")
+                     f"{report['step_s'][r] * 1e3:>6.1f} ms")
     if "gathered_peak" in report:
         lines += ["", "peak gathered parameters per rank (bytes): "
                   + ", ".join(f"{p:,}" for p in report["gathered_peak"])
