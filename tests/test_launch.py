@@ -182,3 +182,32 @@ def test_launch_under_torchrun_refuses_a_different_world_size(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ValueError, match=r"launch\(nprocs=4\) under torchrun, whose WORLD_SIZE is 2"):
         minitp.launch(_rank_and_world, 4, 0)
+
+
+def _mismatched_shapes():
+    # gloo lets the ranks with 4 elements return with an undefined result; the odd one out waits
+    comm.all_reduce(torch.ones(6 if dist.get_rank() == 2 else 4))
+
+
+def test_a_timeout_says_which_ranks_returned_and_which_were_still_inside():
+    with pytest.raises(minitp.LaunchTimeout) as info:
+        minitp.launch(_mismatched_shapes, 4, timeout=4, echo=False)
+    message = str(info.value)
+    assert "ranks [2] of 4 were still inside the function" in message
+    assert "ranks [0, 1, 3] had returned from it and were waiting for them at the end" in message
+    assert "rank 2 was here" in message and "rank 0 was here" not in message
+    assert no_children_left()
+
+
+def _all_reduce_mismatched_under_detail():
+    comm.all_reduce(torch.ones(3 if dist.get_rank() == 1 else 4))
+
+
+def test_the_debug_level_set_after_import_reaches_the_ranks(monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    try:
+        with pytest.raises(minitp.RankError, match="(?i)shape|size|mismatch"):
+            minitp.launch(_all_reduce_mismatched_under_detail, 2, timeout=20, echo=False)
+    finally:
+        monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+        dist.set_debug_level_from_env()

@@ -197,11 +197,15 @@ def _wait(procs, workdir: str, timeout: float, t0: float) -> list[dict]:
         if time.perf_counter() - t0 > timeout:
             stacks = _dump_stacks(procs, workdir, set(range(n)) - set(results))
             _stop(procs)
-            where = "\n\n".join(f"rank {r} was here:\n{s}" for r, s in sorted(stacks.items()))
+            returned = sorted(r for r in stacks if os.path.exists(os.path.join(workdir, f"rank{r}.returned")))
+            inside = sorted(set(stacks) - set(returned))
+            where = "\n\n".join(f"rank {r} was here:\n{stacks[r]}" for r in inside)
             raise LaunchTimeout(
-                f"launch timed out after {timeout:g} s: ranks {sorted(stacks)} of {n} had not finished "
-                f"(finished: {sorted(results)}). A rank waiting in a collective that another rank "
-                f"never joined is the usual cause.\n\n{where}", stacks)
+                f"launch timed out after {timeout:g} s: ranks {inside} of {n} were still inside the function"
+                + (f"; ranks {returned} had returned from it and were waiting for them at the end" if returned
+                   else "")
+                + ". A rank waiting in a collective that another rank never joined (or joined with another "
+                  f"shape) is the usual cause.\n\n{where}", stacks)
         time.sleep(0.01)
 
 
@@ -304,10 +308,14 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
         fn, args = cloudpickle.loads(payload)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        # torch reads TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported; a forked rank
+        # inherited that import, so read the variable again as the parent has it now.
+        dist.set_debug_level_from_env()
         dist.init_process_group(backend, init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
                                 rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout))
         with _trace.recording(rank) as tr:
             value = fn(*args)
+        open(os.path.join(workdir, f"rank{rank}.returned"), "w").close()  # for a timeout's message
         dist.barrier()  # no rank leaves while another may still be reading from it
         dist.destroy_process_group()
     except BaseException:

@@ -131,7 +131,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None,
     """``comm.reduce_scatter`` from sends and receives: rank i gets the sum over ranks of chunk i
     of ``input`` (``input`` is left untouched). Each rank sends (n-1)/n * B, B the bytes of
     ``input``."""
-    n, r = comm.group_size(group), comm.group_rank(group)
+    n = comm.group_size(group)
     chunks = _equal_chunks(input, output, n, "ring_reduce_scatter")
     work = [c.clone() for c in chunks]
     # The ring leaves rank r with list entry (r+1) mod n complete; list chunk i-1 at entry i so
