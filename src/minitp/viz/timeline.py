@@ -77,13 +77,14 @@ def _contains(outer: Event, inner: Event) -> bool:
 
 
 def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None, title: str = "",
-             width: float = 8.0, lane_height: float = 0.75, text: bool = True):
+             width: float = 8.0, lane_height: float | None = None, text: bool = True):
     """Draw every rank's compute spans and messages over time.
 
     run: what ``minitp.launch`` returned (its traces), a Trace, a list of Traces or of Events.
     label_prefix: keep only events whose label starts with it (e.g. a ``trace.scope`` name); the
         prefix is left out of the labels drawn.
     ranks: the ranks to draw (all by default). Times start at 0 at the first event kept.
+    lane_height: inches per rank (by default it grows a little with the messages stacked).
     """
     events = [e for e in _collect(run) if e.label.startswith(label_prefix) and e.end >= e.start]
     if ranks is not None:
@@ -100,13 +101,15 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
         rest = label[len(label_prefix):].lstrip("/") if label_prefix else label
         return rest or label
 
-    fig = style.figure(width, 0.6 + lane_height * len(lanes))
-    ax = fig.add_subplot()
-    points_per_ms = (width - 1.2) * 72 / span_ms  # rough: the axes take most of the width
-
     comm = [e for e in events if e.kind == "comm"]
     rows = {r: _stack_rows([e for e in comm if e.rank == r]) for r in lanes}
     n_rows = max([1] + [max(v.values()) + 1 for v in rows.values() if v])
+    if lane_height is None:
+        lane_height = min(0.75 + 0.08 * (n_rows - 1), 1.3)
+    fig = style.figure(width, 0.6 + lane_height * len(lanes))
+    ax = fig.add_subplot()
+    points_per_ms = (width - 1.2) * 72 / span_ms  # rough: the axes take most of the width
+    row_points = 0.46 / n_rows * lane_height * 72  # height of one message row
     ops_seen: dict[str, str] = {}
     for i, rank in enumerate(lanes):
         base = len(lanes) - 1 - i  # rank 0 on top
@@ -114,7 +117,10 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
         phases = [e for e in compute if any(_contains(e, o) for o in compute)]
         for e in compute:
             is_phase = e in phases
-            y, h = (base - 0.42, 0.07) if is_phase else (base - 0.33 if phases else base - 0.42, 0.33 if phases else 0.42)
+            if is_phase:  # a span around others: a thin bar beneath them
+                y, h = base - 0.42, 0.07
+            else:
+                y, h = (base - 0.33, 0.33) if phases else (base - 0.42, 0.42)
             color = COMPUTE_SHADES.get(e.op, style.OP_COLORS["compute"])
             ops_seen.setdefault(e.op, color)
             x, w = (e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 1e-3)
@@ -132,7 +138,7 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
             ax.broken_barh([(x, w)], (y, h * 0.9), facecolors=color, edgecolor="black", linewidth=0.3,
                            gid=f"comm:{rank}:{e.op}:{shown(e.label)}")
             words = f"{shown(e.label)}  {format_bytes(e.bytes)}"
-            if text and w * points_per_ms > 4.0 * len(words) + 4:
+            if text and row_points >= 7 and w * points_per_ms > 4.0 * len(words) + 4:
                 ax.text(x + 2 * span_ms / 1000, y + h * 0.45, words, ha="left", va="center",
                         fontsize=6.5, color="white", clip_on=True)
 
@@ -232,6 +238,11 @@ def loss_curve(run, reference: list[float] | None = None, *, title: str = "", wi
             diffs = [abs(a - b) for a, b in zip(losses, reference)]
             shown = [d if d > 0 else math.nan for d in diffs]
             ax_diff.plot(range(len(shown)), shown, marker="o", markersize=4, color=color, gid=f"diff:{name}")
+    from matplotlib.ticker import MaxNLocator
+
+    for a in (ax, ax_diff):
+        if a is not None:
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend(fontsize=7, frameon=False)
