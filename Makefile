@@ -4,7 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: help install test test-fast lab site student notebooks bench lint clean
+.PHONY: help install test test-fast lab site browser-check student notebooks bench lint clean
+
+# silence mkdocs-material's banner about MkDocs 2 (pyproject pins mkdocs<2)
+export NO_MKDOCS_2_WARNING := 1
 
 help:
 	@echo "make lab        JupyterLab on the course notebooks (learn)"
@@ -12,6 +15,7 @@ help:
 	@echo "make site       build the website into site/"
 	@echo "make student    learner copies of the notebooks (no solutions) into student/"
 	@echo "make notebooks  re-execute every notebook in place (stored outputs)"
+	@echo "make browser-check  build the site, open every chapter in headless Chromium, screenshots in build/"
 	@echo "make bench      minitp against PyTorch's own implementations (not in CI)"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -38,6 +42,9 @@ lab: $(STAMP)
 site: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
+browser-check: site
+	$(BIN)/python tools/browser_check.py site --screenshots build/screenshots --notebooks notebooks
+
 student: $(STAMP)
 	$(BIN)/python -m minitp.exercises.student notebooks student
 
@@ -53,4 +60,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf site student .pytest_cache
+	rm -rf site student build/screenshots .pytest_cache

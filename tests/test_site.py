@@ -189,6 +189,7 @@ def assert_pages_pass(reports) -> None:
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.timeout(900)
 def test_toy_chapter_pages_render_in_chromium(toy_course, toy_site):
     chromium = chromium_or_skip()
     reports = browser_check.check_site(toy_site, toy_course / "shots", toy_course / "notebooks", chromium)
@@ -199,7 +200,8 @@ def test_toy_chapter_pages_render_in_chromium(toy_course, toy_site):
     ]
     assert_pages_pass(reports)
     chapter = reports[1]
-    assert chapter.figures_in_page == 1 and chapter.formulas_expected == 2
+    assert chapter.figures_in_page == 1 and chapter.figures_decoded == 1 and chapter.formulas_expected == 2
+    assert chapter.figure_screenshot is not None and chapter.figure_screenshot.is_file()
     if browser_check_has_local_mathjax(toy_site) or REQUIRE_BROWSER:
         assert chapter.formulas_typeset >= 2
 
@@ -208,6 +210,7 @@ def browser_check_has_local_mathjax(site: Path) -> bool:
     return (site / "assets" / "mathjax" / "MathJax.js").is_file()
 
 
+@pytest.mark.timeout(1800)  # three Chromium runs per page, on a busy machine
 def test_chapter_pages_render_in_chromium(real_site, tmp_path):
     chromium = chromium_or_skip()
     site, _ = real_site

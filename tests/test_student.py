@@ -1,100 +1,159 @@
-"""Learner copies: every answer is taken out, what is left still runs, and a stub is recognised."""
+"""Learner copies (`make student`): every answer between the solution markers is replaced by a stub
+that raises NotImplementedError, and nothing else of the notebook changes."""
+
+from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from minitp.exercises import ExerciseError, ch00, student
+from minitp.exercises.student import STUB, SolutionMarkerError, strip_solutions, write_student_copies
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAPTERS = sorted((ROOT / "notebooks").glob(student.CHAPTER_GLOB))
+CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
-SOLVED = '''import torch
+EXERCISE = '''\
+import torch
 
-def double(x):
-    """Twice x."""
+def ring_all_reduce(tensor, rank, world_size):
+    """Sum ``tensor`` over all ranks in place."""
+    chunks = list(tensor.chunk(world_size))
     ### BEGIN SOLUTION
-    y = x + x
-    return y
+    for step in range(world_size - 1):
+        send_to = (rank + 1) % world_size
+        chunks[step].add_(chunks[step])
     ### END SOLUTION
-
-print(double(2))
+    return tensor
 '''
 
 
-def test_a_solution_region_becomes_a_stub_at_the_same_indentation():
-    text, regions = student.strip_solutions(SOLVED)
-    assert regions == 1
-    assert "x + x" not in text and "BEGIN SOLUTION" not in text
-    assert f"    {student.STUB}\n" in text
-    assert '"""Twice x."""' in text and "print(double(2))" in text  # everything else is kept
-    namespace = {}
-    exec(compile(text.replace("print(double(2))", ""), "<copy>", "exec"), namespace)
+def synthetic_notebook() -> nbformat.NotebookNode:
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("# 00 · Exercise\n\nWrite the ring."),
+        nbformat.v4.new_code_cell(EXERCISE, execution_count=3, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="the answer ran\n")]),
+        nbformat.v4.new_code_cell("def scale(x, world_size):\n    ### BEGIN SOLUTION\n    return x / world_size\n"
+                                  "    ### END SOLUTION\n\nclass Twice:\n    def __call__(self, x):\n"
+                                  "        ### BEGIN SOLUTION\n        return 2 * x\n        ### END SOLUTION"),
+        nbformat.v4.new_code_cell("print('figure')", execution_count=4, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="figure\n")]),
+        nbformat.v4.new_markdown_cell("<details><summary>Answer</summary>\n\n```python\n### BEGIN SOLUTION\n"
+                                      "return x / world_size\n### END SOLUTION\n```\n</details>"),
+    ]
+    return notebook
+
+
+@pytest.fixture
+def copies(tmp_path) -> tuple[Path, Path]:
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    nbformat.write(synthetic_notebook(), source / "00_exercise.ipynb")
+    (source / "scratch.ipynb").write_text("{}")  # not a chapter: not copied
+    target = tmp_path / "student"
+    done = subprocess.run([sys.executable, "-m", "minitp.exercises.student", str(source), str(target)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "3 solution region(s) in 2 cell(s)" in done.stdout
+    return source / "00_exercise.ipynb", target / "00_exercise.ipynb"
+
+
+def test_student_copy_has_no_solution_and_is_valid_nbformat(copies):
+    original, copy = copies
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["00_exercise.ipynb"]
+    notebook = nbformat.read(copy, as_version=4)
+    nbformat.validate(notebook)
+    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    assert "chunks[step].add_" not in code[0] and "return x / world_size" not in code[1]
+    assert "return 2 * x" not in code[1]
+    assert all("SOLUTION" not in source for source in code)
+    assert f"    {STUB}\n    return tensor" in code[0]  # same indentation, code after the region kept
+    assert f"        {STUB}" in code[1]
+
+
+def test_stubbed_cells_lose_outputs_and_the_rest_is_untouched(copies):
+    original, copy = copies
+    before, after = nbformat.read(original, as_version=4), nbformat.read(copy, as_version=4)
+    assert after.cells[1].outputs == [] and after.cells[1].execution_count is None
+    assert after.cells[3] == before.cells[3]  # a cell without a solution keeps its outputs
+    assert after.cells[4] == before.cells[4]  # the worked answer behind <details> stays
+    assert after.cells[0] == before.cells[0]
+
+
+def test_stub_raises_not_implemented_when_run(copies):
+    _, copy = copies
+    notebook = nbformat.read(copy, as_version=4)
+    namespace: dict = {}
+    exec(notebook.cells[1].source, namespace)
+    exec(notebook.cells[2].source, namespace)
+    import torch
+
     with pytest.raises(NotImplementedError, match="Exercise: write this part"):
-        namespace["double"](2)
+        namespace["ring_all_reduce"](torch.ones(4), 0, 2)
+    with pytest.raises(NotImplementedError):
+        namespace["scale"](1.0, 2)
+    with pytest.raises(NotImplementedError):
+        namespace["Twice"]()(3)
 
 
-@pytest.mark.parametrize("broken", [
-    "def f():\n    ### BEGIN SOLUTION\n    return 1\n",
-    "def f():\n    return 1\n    ### END SOLUTION\n",
-    "def f():\n    ### BEGIN SOLUTION\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n",
-])
-def test_unbalanced_markers_are_refused_naming_the_cell(broken):
-    with pytest.raises(student.SolutionMarkerError, match="07_demo.ipynb, cell 3"):
-        student.strip_solutions(broken, where="07_demo.ipynb, cell 3")
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("def f():\n    ### BEGIN SOLUTION\n    return 1\n", "line 2: '### BEGIN SOLUTION' is never closed"),
+        ("def f():\n    return 1\n    ### END SOLUTION\n", "line 3: '### END SOLUTION' without"),
+        ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "line 2: '### BEGIN SOLUTION' again"),
+    ],
+)
+def test_unbalanced_markers_are_rejected_with_the_line(source, message):
+    with pytest.raises(SolutionMarkerError, match=message):
+        strip_solutions(source, where="00_x.ipynb, cell 4")
 
 
-def test_a_notebook_copy_clears_the_answers_outputs_and_keeps_the_rest():
-    notebook = {"cells": [
-        {"cell_type": "markdown", "metadata": {}, "source": "<details><summary>Answer</summary>x + x</details>"},
-        {"cell_type": "code", "metadata": {}, "execution_count": 3, "source": SOLVED,
-         "outputs": [{"output_type": "stream", "name": "stdout", "text": "4\n"}]},
-        {"cell_type": "code", "metadata": {}, "execution_count": 4, "source": "print('kept')",
-         "outputs": [{"output_type": "stream", "name": "stdout", "text": "kept\n"}]},
-    ], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-    copy, regions, cells = student.student_notebook(notebook)
-    assert (regions, cells) == (1, 1)
-    assert copy["cells"][0] == notebook["cells"][0]
-    assert copy["cells"][1]["outputs"] == [] and copy["cells"][1]["execution_count"] is None
-    assert copy["cells"][2] == notebook["cells"][2]
-    assert notebook["cells"][1]["outputs"]  # the solved notebook itself is untouched
+def test_unbalanced_markers_fail_the_command_and_write_nothing(tmp_path):
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    notebook = synthetic_notebook()
+    notebook.cells[2].source = "def f():\n    ### BEGIN SOLUTION\n    return 1\n"
+    nbformat.write(notebook, source / "01_broken.ipynb")
+    assert student.main([str(source), str(tmp_path / "student")]) == 1
+    assert not (tmp_path / "student").exists()
+    with pytest.raises(SolutionMarkerError, match=r"01_broken.ipynb, cell 2, line 2"):
+        write_student_copies(source, tmp_path / "student")
 
 
-@pytest.mark.skipif(not CHAPTERS, reason="no chapters yet")
-def test_the_real_chapters_lose_every_answer_and_still_parse(tmp_path):
-    copies = student.write_student_copies(ROOT / "notebooks", tmp_path)
-    assert [c.target.name for c in copies] == [c.name for c in CHAPTERS]
+@pytest.mark.skipif(not CHAPTERS, reason="no chapters in notebooks/ yet")
+def test_real_chapters_keep_no_solution_line(tmp_path):
+    copies = write_student_copies(ROOT / "notebooks", tmp_path)
+    assert [copy.target.name for copy in copies] == [chapter.name for chapter in CHAPTERS]
     for copy in copies:
+        notebook = nbformat.read(copy.target, as_version=4)
+        nbformat.validate(notebook)
+        for cell in notebook.cells:
+            if cell.cell_type == "code":
+                assert "### BEGIN SOLUTION" not in cell.source, copy.target.name
+                assert "### END SOLUTION" not in cell.source, copy.target.name
+        original = json.loads(copy.source.read_text(encoding="utf-8"))
+        assert len(notebook.cells) == len(original["cells"])
         assert copy.regions >= 3, f"{copy.target.name}: {copy.regions} exercises, the course has 3 per chapter"
-        nb = json.loads(copy.target.read_text())
-        for index, cell in enumerate(nb["cells"]):
-            source = "".join(cell["source"])
-            if cell["cell_type"] != "code":
-                continue
-            assert "### BEGIN SOLUTION" not in source and "### END SOLUTION" not in source
-            if student.STUB in source:
-                python = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
-                ast.parse(python, filename=f"{copy.target.name} cell {index}")
-                assert cell["outputs"] == []
+        for index, cell in enumerate(notebook.cells):
+            if cell.cell_type == "code" and STUB in cell.source:
+                assert cell.outputs == []
+                python = "\n".join(
+                    line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))
+                )
+                ast.parse(python, filename=f"{copy.target.name} cell {index}")  # the copy still parses
 
 
-def test_a_stub_on_several_processes_is_reported_as_not_done_yet():
+def test_a_stub_run_by_a_checker_on_several_processes_is_reported_as_not_done_yet():
     def ring_all_reduce(tensor, group=None):
         raise NotImplementedError("Exercise: write this part, then run the checker below")
 
     with pytest.raises(ExerciseError, match="not done yet"):
         ch00.check_ring_all_reduce(ring_all_reduce)
-
-
-def test_the_command_writes_the_copies(tmp_path, capsys):
-    source = tmp_path / "notebooks"
-    source.mkdir()
-    (source / "00_demo.ipynb").write_text(json.dumps({"cells": [
-        {"cell_type": "code", "metadata": {}, "execution_count": 1, "source": SOLVED, "outputs": []}],
-        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
-    assert student.main([str(source), str(tmp_path / "student")]) == 0
-    assert "1 solution region(s) in 1 cell(s)" in capsys.readouterr().out
-    copy = json.loads((tmp_path / "student" / "00_demo.ipynb").read_text())
-    assert student.STUB in "".join(copy["cells"][0]["source"])

@@ -64,7 +64,50 @@ def find_chromium() -> str | None:
     return None
 
 
+PROBE_PATH = "/__minitp_probe__.html"
+# A same-origin page that loads a chapter in a frame of the screenshot's size, lets its scripts run,
+# then counts the figures the browser actually decoded and scrolls the first one into view: the
+# screenshot of this page shows a figure however far down the chapter it sits.
+PROBE_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>probe</title></head>
+<body style="margin:0">
+<iframe id="page" style="border:0;width:1280px;height:4000px"></iframe>
+<pre id="result">pending</pre>
+<script>
+const frame = document.getElementById("page");
+frame.src = new URLSearchParams(location.search).get("page");
+frame.addEventListener("load", () => setTimeout(() => {
+  const doc = frame.contentDocument;
+  const images = [...doc.querySelectorAll('img[src^="data:image/png"]')];
+  const decoded = images.filter((img) => img.complete && img.naturalWidth > 0);
+  if (images.length) {  // the first figure just below the page's sticky header
+    const view = frame.contentWindow;
+    view.scrollTo(0, images[0].getBoundingClientRect().top + view.scrollY - 160);
+  }
+  document.getElementById("result").textContent = JSON.stringify({
+    images: images.length,
+    decoded: decoded.length,
+    smallest: decoded.length ? Math.min(...decoded.map((img) => img.width * img.height)) : 0,
+    typeset: doc.querySelectorAll('[id^="MathJax-Element-"][id$="-Frame"]').length,
+  });
+}, 8000));
+</script>
+</body></html>
+"""
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        if self.path.split("?")[0] == PROBE_PATH:
+            body = PROBE_HTML.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_GET()
+
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         pass
 
@@ -126,8 +169,10 @@ class PageReport:
 
     page: str
     screenshot: Path
+    figure_screenshot: Path | None = None
     figures_expected: int = 0
     figures_in_page: int = 0
+    figures_decoded: int = 0
     formulas_expected: int = 0
     formulas_typeset: int = 0
     colours: int = 0
@@ -137,7 +182,8 @@ class PageReport:
     def line(self) -> str:
         state = "ok  " if not self.problems else "FAIL"
         return (
-            f"{state} {self.page}: {self.figures_in_page}/{self.figures_expected} figures, "
+            f"{state} {self.page}: {self.figures_decoded} figures drawn by the browser "
+            f"({self.figures_in_page} in the HTML, {self.figures_expected} in the notebook), "
             f"{self.formulas_typeset} formulas typeset ({self.formulas_expected} in the notebook), "
             f"screenshot {self.colours} colours ({self.screenshot})"
             + "".join(f"\n     - {problem}" for problem in self.problems)
@@ -171,27 +217,52 @@ def check_page(
     errors = [error for error in MATH_ERRORS if error in dom]
     if errors:
         report.problems.append(f"MathJax reported errors: {errors}")
-    if report.formulas_expected and not report.formulas_typeset:
+    if report.formulas_expected and report.formulas_typeset < 0.9 * report.formulas_expected:
         report.problems.append(
-            f"{report.formulas_expected} formulas in the notebook, none typeset: MathJax did not load "
-            "(a site built without a local MathJax loads it from a CDN; apt-get install libjs-mathjax)"
+            f"{report.formulas_expected} formulas in the notebook, {report.formulas_typeset} typeset: "
+            "MathJax did not load or failed (a site built without a local MathJax loads it from a CDN; "
+            "apt-get install libjs-mathjax and rebuild)"
         )
-    if "</article>" not in dom and "md-content" not in dom:
-        report.problems.append("the page has no article content after loading")
+    if "md-content" not in dom:
+        report.problems.append("the page has no Material content area after loading")
 
     report.screenshot.parent.mkdir(parents=True, exist_ok=True)
     report.screenshot.unlink(missing_ok=True)
     run_chromium(chromium, url, [f"--screenshot={report.screenshot}"])
-    if not report.screenshot.is_file() or report.screenshot.stat().st_size == 0:
-        report.problems.append("chromium wrote no screenshot")
-    else:
-        report.colours, report.top_colour_share = screenshot_colours(report.screenshot)
-        if report.colours < MIN_COLOURS or report.top_colour_share > 0.995:
-            report.problems.append(
-                f"the screenshot looks blank: {report.colours} colours, the commonest covers "
-                f"{report.top_colour_share:.1%} of it"
-            )
+    _check_screenshot(report, report.screenshot)
+
+    if report.figures_in_page:
+        # the same page in the probe frame: which figures did the browser decode, and what do they look like
+        probe = f"{base_url}{PROBE_PATH.lstrip('/')}?page=/{relative.removesuffix('index.html')}"
+        found = re.search(r'<pre id="result">(.*?)</pre>', run_chromium(chromium, probe, ["--dump-dom"]), re.S)
+        result = json.loads(found.group(1)) if found and found.group(1).startswith("{") else None
+        if result is None:
+            report.problems.append("the probe page could not read the chapter page's figures")
+        else:
+            report.figures_decoded = result["decoded"]
+            if result["decoded"] < report.figures_in_page or result["smallest"] < 100:
+                report.problems.append(
+                    f"the browser decoded {result['decoded']} of {result['images']} figures "
+                    f"(smallest drawn {result['smallest']} px)"
+                )
+        report.figure_screenshot = screenshots / f"{name}-first-figure.png"
+        report.figure_screenshot.unlink(missing_ok=True)
+        run_chromium(chromium, probe, [f"--screenshot={report.figure_screenshot}"])
+        _check_screenshot(report, report.figure_screenshot)
     return report
+
+
+def _check_screenshot(report: PageReport, path: Path) -> None:
+    if not path.is_file() or path.stat().st_size == 0:
+        report.problems.append(f"chromium wrote no screenshot {path.name}")
+        return
+    colours, top_share = screenshot_colours(path)
+    if path == report.screenshot:
+        report.colours, report.top_colour_share = colours, top_share
+    if colours < MIN_COLOURS or top_share > 0.995:
+        report.problems.append(
+            f"the screenshot {path.name} looks blank: {colours} colours, the commonest covers {top_share:.1%}"
+        )
 
 
 def check_site(
