@@ -40,6 +40,7 @@ def test_check_catches_a_run_that_drifted():
     (["--nproc", "3"], "batch_size=8 is not divisible by nproc=3"),
     (["--bucket-mb", "0"], "bucket_mb must be > 0, got 0.0"),
     (["--nproc", "0"], "nprocs must be an integer >= 1, got 0"),
+    (["--seq-len", "64"], "--seq-len 64 is outside 1..32, the model's max_seq_len"),
 ])
 def test_bad_input_is_one_clear_line(args, message, capsys):
     assert cli.main(["run", "ddp", *args]) == 2

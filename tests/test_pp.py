@@ -260,3 +260,8 @@ def test_cli_runs_pp_and_checks_it(tmp_path, capsys, schedule):
 def test_cli_refuses_bad_pipelines(capsys, args, message):
     assert cli.main(["run", "pp", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_sequence_longer_than_the_model_allows_is_a_clear_error():
+    with pytest.raises(RankError, match="sequence of 64 positions is past max_seq_len=32"):
+        runs.run_pp(nproc=2, microbatches=2, steps=1, seq_len=64)

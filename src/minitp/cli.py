@@ -20,6 +20,8 @@ import json
 import sys
 
 from minitp import runs
+from minitp.launch import LaunchError
+from minitp.models import get_config
 
 
 def _write_json(report: dict, path: str) -> None:
@@ -29,6 +31,9 @@ def _write_json(report: dict, path: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    max_seq_len = get_config(args.model).max_seq_len
+    if not 1 <= args.seq_len <= max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} is outside 1..{max_seq_len}, the model's max_seq_len")
     common = dict(nproc=args.nproc, steps=args.steps, model=args.model, batch_size=args.batch_size,
                   seq_len=args.seq_len, seed=args.seed, backend=args.backend, timeout=args.timeout)
     if args.strategy == "ddp":
@@ -140,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"minitp: error: {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:  # a rank failed or hung: its message carries the rank's own traceback
+        print(f"minitp: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ class PipelineStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # first stage: tokens (b, S); any other: the previous stage's output (b, S, D)
         S = x.shape[1]
+        if S > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence of {S} positions is past max_seq_len={self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         h = self.tok_embeddings(x) if self.is_first else x  # (b, S, D)
         for layer in self.layers.values():
