@@ -21,30 +21,13 @@ import math
 import torch
 
 from minitp import comm, cost, trace
-from minitp.exercises import ExerciseError, not_implemented, passed
-from minitp.launch import LaunchTimeout, RankError, launch
+from minitp.exercises import ExerciseError, passed, run_answer
 
 _P2P = ("send", "recv")
 _ANSWER = "answer"  # the scope the learner's calls are traced under
 
 
 # -- running the answer --------------------------------------------------------------------------
-def _run(worker, nprocs: int, args: tuple, timeout: float, name: str, hang_hint: str):
-    """Launch ``worker(*args)`` on ``nprocs`` ranks; turn a stub, a crash or a hang into ExerciseError."""
-    try:
-        return launch(worker, nprocs, *args, timeout=timeout, echo=False)
-    except RankError as err:
-        if not_implemented(err):
-            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
-                                "Replace the stub with your answer and run the check again.") from None
-        last = err.remote_traceback.strip().splitlines()[-1] if err.remote_traceback.strip() else str(err)
-        raise ExerciseError(f"{name}: rank {err.rank} of {nprocs} raised {last}\n\n"
-                            f"Its traceback:\n{err.remote_traceback}") from None
-    except LaunchTimeout:
-        raise ExerciseError(f"{name}: the run on {nprocs} ranks hung and was stopped after {timeout:g} s. "
-                            f"{hang_hint}") from None
-
-
 def _inputs(rank: int, numel: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     return torch.randint(0, 1000, (numel,), generator=g).to(torch.float32)
@@ -110,10 +93,10 @@ def check_ring_all_reduce(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
     name = "ring all-reduce"
     for n in nprocs:
         numel = 4 * n  # 4 elements per chunk
-        results = _run(_all_reduce_worker, n, (fn, numel, n), timeout, name,
+        results = run_answer(_all_reduce_worker, n, (fn, numel, n), name, timeout, hang_hint=(
                        "Each step, every rank must send to its right neighbour (rank + 1) % n and receive "
                        "from its left one (rank - 1) % n; a rank that waits for a message its neighbour "
-                       "never sends waits forever. Post the send with comm.isend before comm.recv.")
+                       "never sends waits forever. Post the send with comm.isend before comm.recv."))
         inputs = [r["input"] for r in results]
         for rank, r in enumerate(results):
             got, want = r["tensor"], r["expected"]
@@ -171,10 +154,10 @@ def check_ring_all_gather(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
     name = "ring all-gather"
     per_rank = 3
     for n in nprocs:
-        results = _run(_all_gather_worker, n, (fn, per_rank, n), timeout, name,
+        results = run_answer(_all_gather_worker, n, (fn, per_rank, n), name, timeout, hang_hint=(
                        "Every rank must send to (rank + 1) % n and receive from (rank - 1) % n; post the "
                        "send with comm.isend before comm.recv so that no rank waits on a neighbour that is "
-                       "itself waiting.")
+                       "itself waiting."))
         inputs = [r["input"] for r in results]
         for rank, r in enumerate(results):
             got, want = r["output"], r["expected"]
