@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from minitp.trace import Event, totals
 from minitp.viz.style import OP_COLORS, figure, rank_color
-from minitp.viz.timeline import _collect, format_bytes
+from minitp.viz.timeline import collect_events, format_bytes
 
 HELD_COLOR = "#CFE3F3"  # the full parameters of a unit exist on this rank
 PARAM_SHADES = ("#E6E6E6", "#C8C8C8")
@@ -96,7 +96,7 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
     its forward (``reshard_after_forward``; the root stays), and in backward as soon as its
     reduce-scatter has been started.
     """
-    events = [e for e in _collect(run) if e.rank == rank and e.label.startswith(label_prefix)
+    events = [e for e in collect_events(run) if e.rank == rank and e.label.startswith(label_prefix)
               and "/fsdp/" in "/" + e.label and e.kind in ("comm", "compute")]
     events = [e for e in events if "state_dict" not in e.label and not e.label.endswith(".step")]
     if not events:
@@ -154,7 +154,7 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
 # -- bytes per stage --------------------------------------------------------------------------------
 def sent_by_op(run, label_prefix: str, rank: int = 0) -> dict[str, float]:
     """Bytes ``rank`` sent (ring model) per collective, over the events under ``label_prefix``."""
-    events = [e for e in _collect(run) if e.rank == rank and e.label.startswith(label_prefix)]
+    events = [e for e in collect_events(run) if e.rank == rank and e.label.startswith(label_prefix)]
     return {op: row["sent_bytes"] for (op,), row in sorted(totals(events).items())}
 
 

@@ -22,7 +22,7 @@ import torch
 
 from minitp.trace import Event
 from minitp.viz.style import RANK_COLORS, figure, rank_color
-from minitp.viz.timeline import _byte_scale, _collect, format_bytes
+from minitp.viz.timeline import byte_scale, collect_events, format_bytes
 from minitp.viz.tp import locate
 
 DIMS = ("tp", "pp", "dp")  # fastest first: the order they are drawn in
@@ -167,7 +167,7 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
 
     run: what ``minitp.launch`` returned (its traces), a list of Traces or of Events.
     """
-    events = [e for e in _collect(run) if e.kind == "comm" and dimension_of(e.label)]
+    events = [e for e in collect_events(run) if e.kind == "comm" and dimension_of(e.label)]
     if ranks is not None:
         events = [e for e in events if e.rank in set(ranks)]
     if not events:
@@ -215,7 +215,7 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
         raise ValueError(f"{len(traced)} traced entries but {len(expected)} expected ones")
     names = names or [f"rank {i}" for i in range(len(traced))]
     totals = [sum(b.get(d, 0) for d in DIMS) for b in traced + list(expected or [])]
-    unit, scale = _byte_scale(max(totals))
+    unit, scale = byte_scale(max(totals))
     fig = figure(width, 3.0)
     ax = fig.add_subplot()
     pairs = [("traced", traced, 0.0)] if expected is None else [("traced", traced, -0.2), ("expected", expected, 0.2)]

@@ -36,7 +36,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _byte_scale(largest: float) -> tuple[str, float]:
+def byte_scale(largest: float) -> tuple[str, float]:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if largest >= scale:
             return unit, scale
@@ -44,7 +44,7 @@ def _byte_scale(largest: float) -> tuple[str, float]:
 
 
 # -- the message timeline -----------------------------------------------------------------------------
-def _collect(run) -> list[Event]:
+def collect_events(run) -> list[Event]:
     """Events from launch Results, a Trace, a list of Traces or a list of Events."""
     if hasattr(run, "traces"):  # minitp.launch's Results
         return [e for t in run.traces if t is not None for e in t.events]
@@ -86,7 +86,7 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
     ranks: the ranks to draw (all by default). Times start at 0 at the first event kept.
     lane_height: inches per rank (by default it grows a little with the messages stacked).
     """
-    events = [e for e in _collect(run) if e.label.startswith(label_prefix) and e.end >= e.start]
+    events = [e for e in collect_events(run) if e.label.startswith(label_prefix) and e.end >= e.start]
     if ranks is not None:
         keep = set(ranks)
         events = [e for e in events if e.rank in keep]
@@ -174,7 +174,7 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
         raise ValueError(f"{len(memory)} measured entries but {len(expected)} expected ones")
     names = names or [f"rank {i}" for i in range(len(memory))]
     totals = [sum(m[k] for k in KIND_COLORS) for m in memory + list(expected or [])]
-    unit, scale = _byte_scale(max(totals + [limit or 0]))
+    unit, scale = byte_scale(max(totals + [limit or 0]))
 
     fig = style.figure(width, 3.0)
     ax = fig.add_subplot()
