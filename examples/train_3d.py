@@ -12,17 +12,17 @@ Two machines of 4 processes each (run on both, NODE_RANK 0 and 1; HOST is the fi
 
 Under torchrun nothing is started: every process runs the same code (``minitp.launch`` runs in place),
 the ranks are placed tp-fastest so each tensor-parallel pair stays inside one machine, and the first
-rank prints the report. (gloo on CPU only for now: the 3D run keeps its tensors on the CPU.)
+rank prints the report. With ``--backend nccl`` each process computes on its own GPU, ``cuda:LOCAL_RANK``
+(``minitp.launch.device``): the model, the batches and every message go there.
 """
 
 import argparse
-import json
 import os
 import sys
 
 from minitp import runs
 from minitp.launch import under_torchrun
-from minitp.mesh import check_tp_within_node
+from minitp.layout import check_tp_within_node
 
 
 def main() -> int:
@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="gloo: CPU; nccl: one GPU per process")
     parser.add_argument("--json", metavar="PATH", help="write the report (first rank only)")
     args = parser.parse_args()
     first = True
@@ -42,12 +44,12 @@ def main() -> int:
         first = int(os.environ["RANK"]) == 0
     else:
         nproc = args.nproc or args.dp * args.tp * args.pp
-    report = runs.run_3d(nproc=nproc, dp=args.dp, tp=args.tp, pp=args.pp, fsdp=args.fsdp, steps=args.steps)
+    report = runs.run_3d(nproc=nproc, dp=args.dp, tp=args.tp, pp=args.pp, fsdp=args.fsdp, steps=args.steps,
+                          backend=args.backend)
     if first:
         print(runs.format_report(report))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
+            report.to_json(args.json)
     return 1 if runs.check(report) else 0
 
 

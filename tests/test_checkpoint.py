@@ -2,6 +2,7 @@
 a save that did not finish or a file that changed."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ def saved(tmp_path_factory):
 
 def _reshard_worker(src: str, dst: str, dp: int, pp: int, tp: int, fsdp: bool):
     """Load a checkpoint into a fresh model on another layout, then save it from there."""
-    from minitp.mesh import Mesh, Parallel3D
+    from minitp.mesh import Mesh
+    from minitp.parallel3d import Parallel3D
 
     par = Parallel3D(build_model(TINY, seed=0), Mesh(dp, pp, tp), "fsdp" if fsdp else "ddp",
                      microbatches=8 // dp if pp > 1 else 1)
@@ -104,10 +106,12 @@ def test_resuming_on_one_process_matches_the_reference(saved):
 
 
 def _copy(src, dst):
-    os.makedirs(dst)
-    for name in os.listdir(src):
-        with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
-            g.write(f.read())
+    shutil.copytree(src, dst)
+
+
+def _shard(folder: str, name: str) -> str:
+    """The path of a rank's file inside the save folder the index names."""
+    return os.path.join(folder, checkpoint.read_index(folder)["folder"], name)
 
 
 def test_a_torn_or_changed_file_is_refused(saved, tmp_path):
@@ -115,12 +119,12 @@ def test_a_torn_or_changed_file_is_refused(saved, tmp_path):
     torn, changed = str(tmp_path / "torn"), str(tmp_path / "changed")
     _copy(str(root / "step2"), torn)
     _copy(str(root / "step2"), changed)
-    shard = os.path.join(torn, "rank00002.pt")
+    shard = _shard(torn, "rank00002.pt")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(checkpoint.CheckpointError, match="rank00002.pt .* torn or was changed"):
         checkpoint.load_full(torn)
-    shard = os.path.join(changed, "rank00000.pt")
+    shard = _shard(changed, "rank00000.pt")
     data = bytearray(open(shard, "rb").read())
     data[-100] ^= 0xFF  # one bit pattern changed, same size
     open(shard, "wb").write(bytes(data))
@@ -132,10 +136,12 @@ def test_a_torn_or_changed_file_is_refused(saved, tmp_path):
 
 
 def _crash_while_saving(src: str, dst: str):
-    """Load a checkpoint and save it again into ``dst``, but rank 3 dies just before renaming its file."""
+    """Load a checkpoint and save it again into ``dst`` (which holds one already), but rank 3 dies
+    while writing its file."""
     import torch.distributed as dist
 
-    from minitp.mesh import Mesh, Parallel3D
+    from minitp.mesh import Mesh
+    from minitp.parallel3d import Parallel3D
 
     par = Parallel3D(build_model(TINY, seed=0), Mesh(2, 2, 2), "ddp", microbatches=4)
     step = checkpoint.load(par, src)
@@ -149,24 +155,27 @@ def _crash_while_saving(src: str, dst: str):
     checkpoint.save(par, dst, step + 100)
 
 
-def test_a_save_that_crashed_midway_is_refused_even_over_an_older_checkpoint(saved, tmp_path):
+def test_a_save_that_crashed_midway_leaves_the_previous_checkpoint_whole(saved, tmp_path):
     root, _, _ = saved
     target = str(tmp_path / "target")
-    _copy(str(root / "step2"), target)  # a finished checkpoint is there; the crashing save overwrites it
-    checkpoint.read_index(target)
+    _copy(str(root / "step2"), target)  # a finished checkpoint is there; the crashing save replaces it
     with pytest.raises(RankError):  # rank 3 died; which rank is reported first depends on timing
         launch(_crash_while_saving, 8, str(root / "step2"), target, echo=False, timeout=60)
-    with pytest.raises(checkpoint.CheckpointError, match="not a finished checkpoint"):
-        checkpoint.load_full(target)
-    with pytest.raises(checkpoint.CheckpointError, match="not a finished checkpoint"):
-        runs.run_3d(nproc=8, steps=4, resume_from=target)
+    leftovers = sorted(os.listdir(target))
+    assert len(leftovers) == 3 and "index.json" in leftovers  # the old save folder, and the half-written new one
+    _assert_bit_identical(checkpoint.load_full(target), checkpoint.load_full(str(root / "step2")))  # still step 2
+    resumed = runs.run_3d(nproc=8, steps=4, resume_from=target, save_to=target)
+    assert resumed["start_step"] == 2
+    assert checkpoint.load_full(target)["step"] == 4
+    assert sorted(os.listdir(target)) == ["index.json", checkpoint.read_index(target)["folder"]]  # no leftovers
 
 
 def test_loading_into_another_model_is_refused(saved):
     root, _, _ = saved
 
     def worker():
-        from minitp.mesh import Mesh, Parallel3D
+        from minitp.mesh import Mesh
+        from minitp.parallel3d import Parallel3D
 
         par = Parallel3D(build_model(TINY.with_(dim=32), seed=0), Mesh(8, 1, 1))
         checkpoint.load(par, str(root / "step2"))

@@ -1,5 +1,6 @@
 """The minitp command line: a run checked against its oracles, its JSON report, and bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def test_run_ddp_reports_a_match_on_every_oracle(tmp_path, capsys):
 def test_check_catches_a_run_that_drifted():
     report = runs.run_ddp(nproc=2, steps=1)
     assert runs.check(report) == []
-    drifted = {**report, "max_abs_param_diff": 1e-3, "comm_bytes_traced": [0.0, 0.0]}
+    drifted = dataclasses.replace(report, max_abs_param_diff=1e-3, comm_bytes_traced=[0.0, 0.0])
     problems = runs.check(drifted)
     assert any("differ from the one-process reference by 0.001" in p for p in problems)
     assert sum("sent 0.0 bytes" in p for p in problems) == 2
@@ -38,9 +39,9 @@ def test_check_catches_a_run_that_drifted():
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "3"], "batch_size=8 is not divisible by nproc=3"),
-    (["--bucket-mb", "0"], "bucket_mb must be > 0, got 0.0"),
-    (["--nproc", "0"], "nprocs must be an integer >= 1, got 0"),
-    (["--seq-len", "64"], "--seq-len 64 is outside 1..32, the model's max_seq_len"),
+    (["--bucket-mb", "0"], "--bucket-mb 0.0 is not allowed: expected a finite number > 0"),
+    (["--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),
+    (["--seq-len", "64"], "--seq-len 64 is not allowed: expected an integer from 1 to 32, the model's max_seq_len"),
 ])
 def test_bad_input_is_one_clear_line(args, message, capsys):
     assert cli.main(["run", "ddp", *args]) == 2

@@ -108,3 +108,69 @@ def test_tensor_parallel_operators_give_the_unsplit_result_and_gradient():
         torch.testing.assert_close(g_row, x.grad, atol=1e-5, rtol=1e-6)
     labels = sorted({e.label for e in results.traces[0].comm()})
     assert labels == ["tp/f.backward", "tp/g.forward", "tp/gather.forward", "tp/split.backward"]
+
+
+# -- each message knows the mesh dimension of its group ---------------------------------------------------
+def _messages_on_named_groups():
+    from minitp.ddp import DistributedDataParallel
+    from minitp.fsdp import FullyShardedDataParallel
+    from minitp.mesh import Mesh
+
+    r = dist.get_rank()
+    mesh = Mesh(dp=2, pp=1, tp=2)  # tp groups {0,1} {2,3}, dp groups {0,2} {1,3}
+    comm.all_reduce(torch.ones(2), group=mesh.tp_group, label="on the tp group")
+    comm.all_reduce(torch.ones(2), group=mesh.dp_group, label="on the dp group")
+    comm.all_reduce(torch.ones(2), label="on the unnamed world")
+    unnamed = dist.new_group([0, 1, 2, 3])
+    comm.all_reduce(torch.ones(2), group=unnamed, label="on an unnamed group")
+    for_ddp, for_fsdp = dist.new_group([0, 1, 2, 3]), dist.new_group([0, 1, 2, 3])
+    DistributedDataParallel(torch.nn.Linear(4, 4), for_ddp)  # its start-up broadcast: "dp"
+    FullyShardedDataParallel(torch.nn.Linear(4, 4), for_fsdp)
+    comm.all_reduce(torch.ones(2), group=for_fsdp, label="on FSDP's group")
+    FullyShardedDataParallel(torch.nn.Linear(4, 4), mesh.dp_group)  # the mesh named it first: it stays "dp"
+    comm.all_reduce(torch.ones(2), group=mesh.dp_group, label="on the mesh's dp group under FSDP")
+    try:
+        comm.name_group(mesh.tp_group, "pp")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    comm.name_group(None, "dp")
+    comm.name_group(None, "fsdp")  # the world takes the latest name: strategies take turns on it
+    comm.all_reduce(torch.ones(2), label="on the world renamed")
+    return {"refused": refused, "rank": r}
+
+
+def test_an_events_dim_comes_from_the_group_it_went_through():
+    results = minitp.launch(_messages_on_named_groups, 4, echo=False)
+    for tr in results.traces:
+        dims = {e.label: e.dim for e in tr.comm()}
+        assert dims["on the tp group"] == "tp" and dims["on the dp group"] == "dp"
+        assert dims["on the unnamed world"] == "" and dims["on an unnamed group"] == ""
+        assert dims["ddp/init"] == "dp" and dims["on FSDP's group"] == "fsdp"
+        assert dims["on the mesh's dp group under FSDP"] == "dp"
+        assert dims["on the world renamed"] == "fsdp"
+    assert all("already named 'tp'" in r["refused"] and "'pp'" in r["refused"] for r in results)
+    assert minitp.trace.totals(results.events, by=("dim",))[("tp",)]["calls"] == 4
+
+
+_RENAMED_WORLD_IN_ONE_PROCESS = """
+import os, sys
+import torch.distributed as dist
+from minitp import comm
+for i in range(2):
+    where = os.path.join(sys.argv[1], f"rendezvous{i}")
+    dist.init_process_group("gloo", init_method=f"file://{where}", rank=0, world_size=1)
+    print(repr(comm.group_dim()))
+    comm.name_group(None, "tp")
+    dist.destroy_process_group()
+"""
+
+
+def test_a_new_world_in_the_same_process_starts_unnamed(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RENAMED_WORLD_IN_ONE_PROCESS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["''", "''"]

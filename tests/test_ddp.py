@@ -135,12 +135,14 @@ def test_buckets_are_sent_during_backward_not_after(reference):
 
 
 class _WithUnused(nn.Module):
+    """Two linear layers; the second is used only when ``use_second`` says so."""
+
     def __init__(self):
         super().__init__()
         self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
 
-    def forward(self, x):
-        return self.used(x)
+    def forward(self, x, use_second=False):
+        return self.used(x) + self.unused(x) if use_second else self.used(x)
 
 
 def _unused_parameter():
@@ -153,8 +155,44 @@ def _unused_parameter():
 
 def test_a_parameter_without_gradient_does_not_hang_the_others():
     results = minitp.launch(_unused_parameter, 2, timeout=30, echo=False)
-    assert torch.equal(results[0][0], torch.zeros(4, 4))
+    assert results[0][0] is None and results[1][0] is None  # no rank used it: no gradient, as on one process
     torch.testing.assert_close(results[0][1], results[1][1])  # the used one is averaged
+
+
+def _adamw_with_unused(wrapper: str, use_second_on: tuple[int, ...], parts: int = 2, steps: int = 2):
+    """AdamW steps (weight decay 0.1) of ``_WithUnused``: the batch is cut into ``parts``, part r
+    uses the second layer when r is in ``use_second_on``. Under DDP rank r runs part r; with no
+    wrapper one process runs every part and averages their losses, as DDP averages gradients."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.manual_seed(0)
+    model = _WithUnused()
+    wrapped = {"minitp": lambda: DistributedDataParallel(model, bucket_mb=1e-4), "none": lambda: model,
+               "torch": lambda: TorchDDP(model, find_unused_parameters=True)}[wrapper]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ranks = range(parts) if wrapper == "none" else [dist.get_rank()]
+    for step in range(steps):
+        x = torch.randn(4 * parts, 4, generator=torch.Generator().manual_seed(step)).chunk(parts)
+        optimizer.zero_grad()
+        sum(wrapped(x[r], r in use_second_on).pow(2).mean() for r in ranks).div(len(ranks)).backward()
+        optimizer.step()
+    return {"state": model.state_dict(), "unused_step": optimizer.state.get(model.unused.weight, {}).get("step")}
+
+
+@pytest.mark.parametrize("use_second_on", [(), (0,)], ids=["used-by-no-rank", "used-by-rank-0-only"])
+def test_an_unused_parameter_is_left_as_one_process_and_pytorch_ddp_leave_it(use_second_on):
+    """Used by no rank: no gradient, so AdamW skips it (weight decay 0.1 does not move it, no step
+    counted). Used by one rank: the others count as zeros in the average, as in PyTorch's DDP."""
+    one = minitp.launch(_adamw_with_unused, 1, "none", use_second_on, echo=False)[0]
+    ours = minitp.launch(_adamw_with_unused, 2, "minitp", use_second_on, echo=False)
+    theirs = minitp.launch(_adamw_with_unused, 2, "torch", use_second_on, echo=False)
+    for r in (*ours, *theirs):
+        assert runs.max_abs_diff(r["state"], one["state"]) <= 1e-6
+        assert r["unused_step"] == one["unused_step"]
+    if not use_second_on:
+        torch.manual_seed(0)
+        assert torch.equal(ours[0]["state"]["unused.weight"], _WithUnused().unused.weight)  # moved by exactly 0
+        assert one["unused_step"] is None
 
 
 def _split(batch_rows):

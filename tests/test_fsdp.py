@@ -5,7 +5,7 @@ Every check of one world size runs in one launch (several configurations one aft
 each with its own trace recording), so the whole file stays well under a minute and a half.
 
 Which one-process run: the global batch cut into as many micro-batches as ranks, their gradients
-averaged in fp32 (``runs.train_reference_microbatched``). It is the full-batch gradient, summed in
+averaged in fp32 (``references.microbatched``). It is the full-batch gradient, summed in
 the order data parallel sums it; against the full batch itself AdamW magnifies last-bit
 differences of nearly cancelling gradients (DDP on 3 ranks, batch 12, is 1.3e-4 off it). The
 full-batch run is the oracle of the CLI test, at the default batch where it is well conditioned.
@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from minitp import cli, cost, runs
+from minitp import cli, cost, references, runs
 from minitp.fsdp import FullyShardedDataParallel, plan_units, unit_numels
 from minitp.launch import launch
 from minitp.models import TrainConfig, build_model, get_config, loss_fn, synthetic_batches
@@ -95,11 +95,11 @@ def _max_diff(state, reference) -> float:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_fsdp_matches_single_process_and_formulas_at_each_world_size(world_size):
     n = world_size
-    fp32_ref = runs.train_reference_microbatched(CFG, TRAIN, n)
-    bf16_ref = runs.train_reference_microbatched(CFG, TRAIN, n, torch.bfloat16)
+    fp32_ref = references.microbatched(CFG, TRAIN, n)
+    bf16_ref = references.microbatched(CFG, TRAIN, n, torch.bfloat16)
     # bf16: the recipe's own sensitivity to the order of the sum over ranks (see run_fsdp)
     bf16_tolerance = max(1e-5, 2 * _max_diff(
-        runs.train_reference_microbatched(CFG, TRAIN, n, torch.bfloat16, reverse_sum=True), bf16_ref))
+        references.microbatched(CFG, TRAIN, n, torch.bfloat16, reverse_sum=True), bf16_ref))
     results = launch(_fsdp_configs_worker, n, TRAIN, ADAM_CONFIGS, SGD_CONFIGS, echo=False)
     numels = unit_numels(build_model(CFG), n)
     assert len(numels) == 1 + CFG.n_layers  # the root, then one unit per block
@@ -222,3 +222,87 @@ def test_bad_input_gets_a_clear_error():
         FullyShardedDataParallel(build_model(CFG), mixed_precision=torch.float16)
     with pytest.raises(ValueError, match=r"zero must be 1, 2 or 3, got 4"):
         FullyShardedDataParallel(build_model(CFG), zero=4)
+
+
+# -- a parameter no rank used ---------------------------------------------------------------------------
+class _WithUnused(torch.nn.Module):
+    """Two linear layers (40 elements: on 3 ranks the shards cut through the second one); the
+    second is used only when ``use_second`` says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_second=False):
+        return self.used(x) + self.unused(x) if use_second else self.used(x)
+
+
+def _adamw_with_unused(configs: list, use_second_on: tuple[int, ...], parts: int, steps: int = 2) -> list[dict]:
+    """AdamW steps (weight decay 0.1) of ``_WithUnused`` under each configuration: a dict of FSDP
+    options, "fully_shard" (PyTorch's), or "one process" (every rank's part of the batch on one
+    process, the mean of their losses). Part r uses the second layer when r is in ``use_second_on``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for options in configs:
+        torch.manual_seed(0)
+        model, fsdp = _WithUnused(), None
+        if options == "fully_shard":
+            fully_shard(model)
+        elif options != "one process":
+            fsdp = FullyShardedDataParallel(model, **options)
+        optimizer = torch.optim.AdamW((fsdp or model).parameters(), lr=1e-2, weight_decay=0.1)
+        if fsdp:
+            fsdp.attach(optimizer)
+        ranks = range(parts) if options == "one process" else [dist.get_rank()]
+        dtype = fsdp.compute_dtype if fsdp else torch.float32
+        for step in range(steps):
+            x = torch.randn(4 * parts, 4, generator=torch.Generator().manual_seed(step)).to(dtype).chunk(parts)
+            optimizer.zero_grad()
+            losses = [(fsdp or model)(x[r], r in use_second_on).float().pow(2).mean() for r in ranks]
+            (sum(losses) / len(ranks)).backward()
+            optimizer.step()
+        if fsdp:
+            state = fsdp.full_state_dict()
+            pieces = [p for p in fsdp.local_pieces() if p.name == "unused.weight"]
+        else:
+            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+            pieces = None
+        out.append({"state": state, "unused_pieces": pieces})
+    return out
+
+
+FSDP_UNUSED_CONFIGS = [dict(zero=1), dict(zero=2), dict(zero=3), dict(zero=3, mixed_precision=torch.bfloat16)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp_leaves_a_parameter_no_rank_used_as_one_process_and_fully_shard_do(world_size):
+    """No rank used it: weight decay 0.1 does not move it, its AdamW moments stay zero (what the
+    fsdp docstring promises). Documented difference: AdamW counts one step per shard, so the
+    shard's count advances (one process keeps no state for the parameter)."""
+    one = launch(_adamw_with_unused, 1, ["one process"], (), world_size, echo=False)[0][0]
+    results = launch(_adamw_with_unused, world_size, [*FSDP_UNUSED_CONFIGS, "fully_shard"], (), world_size,
+                     echo=False)
+    torch.manual_seed(0)
+    initial = _WithUnused().unused.weight.detach()
+    assert torch.equal(one["state"]["unused.weight"], initial)
+    for rank in results:
+        *ours, theirs = rank
+        assert torch.equal(theirs["state"]["unused.weight"], initial)
+        for options, r in zip(FSDP_UNUSED_CONFIGS, ours):
+            assert torch.equal(r["state"]["unused.weight"], initial), options  # moved by exactly 0
+            tolerance = 1e-2 if "mixed_precision" in options else 1e-6
+            assert _max_diff(r["state"], one["state"]) <= tolerance, options
+            for piece in r["unused_pieces"]:
+                assert not piece.tensors["exp_avg"].any() and not piece.tensors["exp_avg_sq"].any()
+                assert piece.step == 2  # the shard's count: one per shard in a flat unit
+
+
+def test_fsdp_averages_a_parameter_one_rank_used_as_one_process_does():
+    one = launch(_adamw_with_unused, 1, ["one process"], (0,), 2, echo=False)[0][0]
+    torch.manual_seed(0)
+    assert not torch.equal(one["state"]["unused.weight"], _WithUnused().unused.weight)  # it did move
+    for rank in launch(_adamw_with_unused, 2, FSDP_UNUSED_CONFIGS[:3], (0,), 2, echo=False):
+        for r in rank:
+            assert _max_diff(r["state"], one["state"]) <= 1e-6

@@ -7,11 +7,14 @@ from minitp.models import (
     LLAMA3_8B,
     LLAMA3_70B,
     TINY,
+    KVCache,
     ModelConfig,
+    RMSNorm,
     TrainConfig,
     build_model,
     generate,
     get_config,
+    rms_norm,
     synthetic_batches,
     train_reference,
 )
@@ -65,6 +68,23 @@ def test_generation_with_the_cache_equals_recomputing_everything():
         for _ in range(6):
             full = torch.cat([full, model(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, full)
+
+
+def test_generate_takes_its_next_token_step_and_its_caches_from_the_caller():
+    model = build_model(TINY)
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    caches = [KVCache() for _ in range(TINY.n_layers)]
+    out = generate(model, prompt, 3, next_token=lambda logits: torch.full((2, 1), 7), caches=caches)
+    assert out[:, 5:].tolist() == [[7, 7, 7], [7, 7, 7]]
+    assert caches[0].k.shape[1] == 5 + 2  # the prompt and every new token but the last went through
+
+
+def test_rms_norm_divides_by_the_root_mean_square_then_scales():
+    x = torch.tensor([[3.0, 4.0]])  # root mean square sqrt(12.5)
+    weight = torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(rms_norm(x, weight, 0.0), x / 12.5**0.5 * weight)
+    norm = RMSNorm(2, eps=0.0)
+    torch.testing.assert_close(norm(x), rms_norm(x, norm.weight, 0.0))
 
 
 def test_the_reference_loop_learns():

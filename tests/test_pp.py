@@ -78,6 +78,23 @@ def test_blocks_are_balanced_over_the_stages():
         assert held == cost.pp_stage_params(CFG, len(blocks), s == 0, s == 1)
 
 
+def test_stages_chained_on_one_process_give_the_models_logits():
+    model = build_model(CFG)
+    tokens = synthetic_batches(CFG, TRAIN)[0][0]  # (8, 16)
+    h = tokens
+    for s in range(3):  # blocks [0, 1], [2], [3]: each stage runs the model's own block loop on its share
+        h = pp.PipelineStage(model, s, 3)(h)
+    assert torch.equal(h, model(tokens))  # (8, 16, V), bit for bit
+
+
+def test_a_stage_description_allocates_its_messages_in_the_stages_dtype_and_device():
+    stage = pp.StageSpec.of(pp.PipelineStage(build_model(CFG).to(torch.bfloat16), 1, 2))
+    assert (stage.index, stage.num_stages, stage.is_first, stage.is_last) == (1, 2, False, True)
+    buffer = stage.boundary_buffer(2, 16)
+    assert (buffer.shape, buffer.dtype, buffer.device) == ((2, 16, CFG.dim), torch.bfloat16, torch.device("cpu"))
+    assert pp.StageSpec.of(pp.PipelineStage(build_model(CFG), 0, 2)).boundary_buffer(2, 16).dtype == torch.float32
+
+
 def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="pp=5 stages but the model has 4 blocks"):
         pp.stage_blocks(4, 5)
@@ -239,6 +256,44 @@ def test_a_failing_stage_does_not_hang_its_neighbours():
     assert time.perf_counter() - t0 < 30  # ended by the failure, not by the timeout
 
 
+def _bf16_pipeline(m):
+    import torch.distributed as dist
+
+    from minitp import trace
+    from minitp.models import build_model, get_config, synthetic_batches
+    from minitp.pp import Pipeline
+
+    cfg = get_config("tiny")
+    pipe = Pipeline(build_model(cfg).to(torch.bfloat16), None, "1f1b", m)
+    with trace.recording(dist.get_rank()) as tr:
+        record = pipe.forward_backward(*synthetic_batches(cfg, TrainConfig(steps=1))[0])
+    grads = {p.grad.dtype for p in pipe.parameters()}
+    return {"loss": record.loss, "messages": [(e.op, e.label, e.dtype) for e in tr.comm()], "grads": grads}
+
+
+def test_a_bf16_pipeline_sends_and_receives_bf16():
+    m = 2
+    results = launch(_bf16_pipeline, 2, m, echo=False)
+    for rank, r in enumerate(results):
+        ops = sorted({op for op, _, _ in r["messages"]})
+        assert ops == ["recv", "send"] and len(r["messages"]) == 2 * m, r["messages"]
+        assert {dtype for _, _, dtype in r["messages"]} == {"bfloat16"}, f"rank {rank}: {r['messages']}"
+        assert r["grads"] == {torch.bfloat16}
+    assert results[-1]["loss"] == pytest.approx(float(torch.log(torch.tensor(CFG.vocab_size))), rel=0.05)
+
+
+def _stage_of_another_rank():
+    from minitp.models import build_model, get_config
+    from minitp.pp import Pipeline, PipelineStage, StageSpec
+
+    Pipeline(StageSpec.of(PipelineStage(build_model(get_config("tiny")), 0, 2)), None)
+
+
+def test_a_stage_description_for_another_place_in_the_group_is_refused():
+    with pytest.raises(RankError, match="stage given is stage 0 of 2, but this rank is stage 1 of the 2 ranks"):
+        launch(_stage_of_another_rank, 2, echo=False, timeout=60)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_cli_runs_pp_and_checks_it(tmp_path, capsys, schedule):
     path = tmp_path / "r.json"
@@ -262,6 +317,6 @@ def test_cli_refuses_bad_pipelines(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_a_sequence_longer_than_the_model_allows_is_a_clear_error():
-    with pytest.raises(RankError, match="sequence of 64 positions is past max_seq_len=32"):
+def test_a_sequence_longer_than_the_model_allows_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="seq_len=64 is not allowed: expected an integer from 1 to 32"):
         runs.run_pp(nproc=2, microbatches=2, steps=1, seq_len=64)

@@ -197,8 +197,8 @@ def test_message_graph_colours_each_arrow_by_sender_and_sums_its_bytes(big_ring)
     ax = vc.message_graph(events, title="ring").axes[0]
     arrows = [p for p in ax.patches if type(p).__name__ == "FancyArrowPatch"]
     assert {_rounded(a.get_edgecolor()) for a in arrows} == {_rounded(rank_color(r)) for r in range(N)}
-    # 2(n-1) = 6 sends of one 1 KiB chunk (256 float32) on each link
-    assert [t for t in _texts(ax) if "msgs" in t] == ["6 msgs, 6 KiB"] * N
+    # 2(n-1) = 6 sends of one 1,024-byte chunk (256 float32) on each link: 6,144 bytes
+    assert [t for t in _texts(ax) if "msgs" in t] == ["6 msgs, 6.1 KB"] * N
     assert ax.get_title() == "ring"
 
 
@@ -207,8 +207,8 @@ def test_bytes_per_rank_scales_its_axis_and_draws_the_formula(big_ring):
     formula = minitp.cost.collective_sent_bytes("all_reduce", 1024 * 4, N)
     assert sent == [formula] * N
     ax = vc.bytes_per_rank(sent, formula, title="ring", formula="2(n-1)/n · B").axes[0]
-    assert [b.get_height() for b in _boxes(ax)] == pytest.approx([s / 1024 for s in sent])
-    assert ax.get_ylabel() == "bytes sent (KiB)"
+    assert [b.get_height() for b in _boxes(ax)] == pytest.approx([s / 1000 for s in sent])
+    assert ax.get_ylabel() == "bytes sent (KB)"
     (line,) = ax.get_lines()
-    assert list(line.get_ydata()) == pytest.approx([formula / 1024] * 2)
+    assert list(line.get_ydata()) == pytest.approx([formula / 1000] * 2)
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["2(n-1)/n · B", "traced"]

@@ -14,7 +14,8 @@ def _gids(fig) -> list[str]:
 
 
 def _one_step():
-    from minitp.mesh import Mesh, Parallel3D
+    from minitp.mesh import Mesh
+    from minitp.parallel3d import Parallel3D
 
     mesh = Mesh(2, 2, 2)
     par = Parallel3D(build_model(TINY, seed=0), mesh, microbatches=2)
@@ -82,7 +83,7 @@ def test_messages_by_dim_puts_every_message_in_its_dimension(step):
     gids = _gids(fig)
     for tr in step.traces:
         for dim in ("tp", "pp", "dp"):
-            want = [e for e in tr.comm() if viz_mesh.dimension_of(e.label) == dim]
+            want = [e for e in tr.comm() if e.dim == dim]
             assert len([g for g in gids if g.startswith(f"msg:{tr.rank}:{dim}:")]) == len(want) > 0
     expected = cost.threed_step_bytes(TINY, 4, 8, 2, 2, 2, stage=0)
     texts = [t.get_text() for t in fig.axes[0].texts]
@@ -90,13 +91,26 @@ def test_messages_by_dim_puts_every_message_in_its_dimension(step):
 
     words = "  ".join(f"{d} {format_bytes(expected[d])}" for d in ("tp", "pp", "dp"))
     assert words in texts  # rank 0's bytes per dimension, written at the end of its lane
-    assert viz_mesh.dimension_of("fsdp/unit0/all_gather") == "dp" and viz_mesh.dimension_of("forward") is None
+    assert {e.dim for e in step.events if e.kind == "comm"} == {"tp", "pp", "dp"}  # every message has its group's
+
+
+def _message(rank: int, dim: str, sent: float) -> trace.Event:
+    return trace.Event(rank, "comm", "all_reduce", "any label", 0.0, 1e-3, group=(0, 1), dim=dim, sent_bytes=sent)
+
+
+def test_messages_by_dim_reads_the_dimension_of_the_group_never_the_label():
+    events = [_message(0, "fsdp", 2000.0), _message(1, "fsdp", 2000.0), _message(0, "", 5000.0)]
+    gids = _gids(viz_mesh.messages_by_dim(events))
+    assert sorted(g for g in gids if g.startswith("msg:")) == ["msg:0:fsdp:0", "msg:1:fsdp:0"]  # unnamed: left out
+    with pytest.raises(ValueError, match="no message through a named group"):
+        viz_mesh.messages_by_dim([_message(0, "", 8.0)])
 
 
 def test_bytes_by_dim_stacks_traced_beside_the_formula(step):
-    traced = [{d: tr.sent_bytes(p) for d, p in (("tp", "tp/"), ("pp", "pp/"), ("dp", "ddp/"))} for tr in step.traces]
+    traced = trace.sent_bytes_by_dim(step.traces)  # read from each message's group, in rank order
     expected = [cost.threed_step_bytes(TINY, 4, 8, 2, 2, 2, stage=r["coords"][1]) for r in step]
     assert traced == expected
+    assert trace.sent_bytes_per_rank(step.traces, dim="pp") == [b["pp"] for b in expected]
     fig = viz_mesh.bytes_by_dim(traced, expected)
     gids = _gids(fig)
     assert len([g for g in gids if g.startswith("traced:")]) == 24

@@ -68,11 +68,6 @@ def test_gantt_reads_a_report_timeline_and_a_simulated_one(run):
     assert fig.axes[0].get_xlabel() == "time (slots of one forward)"
 
 
-def test_idle_share_is_the_library_bubble_fraction(run):
-    timelines = [r["1f1b"]["timeline"] for r in run]
-    assert viz_pp.idle_share(timelines) == pytest.approx(pp.bubble_fraction(timelines))
-
-
 def test_stage_map_draws_each_piece_in_the_colour_of_the_rank_that_held_it(run):
     fig = viz_pp.stage_map([r["held"] for r in run])
     bars = _bars(fig)

@@ -1,38 +1,58 @@
-"""Sharded checkpoints of a 3D run that load into any other layout.
+"""Sharded checkpoints of a 3D run that load into any other layout, and that a crash cannot destroy.
 
-**Saving.** Every rank writes only what it holds (nothing is gathered): its tp slice of each parameter
-of its stage, with AdamW's two moments, or under FSDP its flat shard of each unit, cut at the
-parameter boundaries. Data-parallel replicas under DDP hold the same tensors, so only the first
-replica writes; replicated (norm) weights are written by the first tp rank only. Each piece is
-described by where it sits in the whole tensor: the tp split (dim, rank, size) and a range of the
-flattened tp slice. Rank 0 then writes ``index.json``: the layout, the step, every parameter's
-whole shape, every piece, and each file's size and SHA-256.
+**What is saved.** Every rank writes only what it holds (nothing is gathered), as pieces of
+parameters (``minitp.fsdp_units.LocalPiece``): elements [start, stop) of one flattened tp slice, with
+AdamW's two moments for them. Under FSDP the wrapper lists them (``fsdp.local_pieces``); a plain
+stage is read through PyTorch's public optimizer state (``module_pieces``). Data-parallel replicas
+under DDP hold the same tensors, so only the first replica writes; replicated (norm) weights are
+written by the first tp rank only.
 
-**Atomic.** Each file is written under a temporary name, flushed to disk (fsync) and renamed; the
-index is written last, after every rank's files are in place, and an old index is removed before
-any new file is written. So a save that crashes midway leaves no index, and a file that was cut short
-or changed after the save fails its checksum: either way ``load`` refuses, rather than loading
-something wrong. (Which file a crash leaves half-written does not matter: nothing reads it.)
+**The folder**, switched atomically::
 
-**Loading** into a ``Parallel3D`` on any mesh: for each tensor this rank needs, the pieces are put
-back together into the whole tensor (checking they cover it exactly once), then cut again for the
-new layout, tp slice, and FSDP shard. Copies only, no arithmetic: parameters and optimizer state come
-back bit for bit. Files are read with ``torch.load(weights_only=True)``: tensors and plain containers,
-never arbitrary pickled objects. ``load_full`` does the same on one process, without a process group.
+    ckpt/index.json                  names the save folder below; checked by its own SHA-256
+    ckpt/save-000002/rank00000.pt    each rank's pieces (and rank00000.json, its note to rank 0)
+
+A save writes a new ``save-N`` folder beside the current one; once every file is on disk (fsync),
+rank 0 writes the new index under a temporary name and renames it over ``index.json`` (atomic on
+POSIX). So ``index.json`` always names a whole checkpoint: the old one until the rename, the new one
+after. A crash at any moment leaves one of the two. The old folder is removed after the switch;
+what a crashed save left (a ``save-N`` no index names, ``*.tmp-*`` files) at the start of the next.
+
+**The index** holds the model config, the layout (dp, pp, tp, data_parallel, zero), the step and
+AdamW's step, every parameter's whole shape, every piece, each file's size and SHA-256, and the
+SHA-256 of all that. **Loading** into a ``Parallel3D`` on any mesh checks, before it copies
+anything: the index's checksum, every shape, the config, that every tensor of the model is in the
+checkpoint and every saved tensor is taken by the model; then each file's checksum and that the
+file agrees with the index on the steps. Any mismatch is a ``CheckpointError`` naming the file
+("checkpoint ckpt/index.json was saved from n_layers=4, this model has n_layers=2"). The pieces
+of each tensor are put back together (checking they cover it exactly once), then cut for the new
+layout: copies only, bit for bit. Files are read with ``torch.load(weights_only=True)``: tensors and
+plain containers, never pickled code. ``load_full`` does the same on one process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
+import pickle
+import re
+import shutil
 
 import torch
+import torch.nn as nn
 
-FORMAT = "minitp-checkpoint/1"
+from minitp import comm
+from minitp.fsdp_units import LocalPiece
+
+FORMAT = "minitp-checkpoint/2"
 INDEX = "index.json"
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and its AdamW moments
+SAVE_FOLDER = re.compile(r"save-(\d{6})")
+STALE_FILE = re.compile(r"(rank\d{5}\.(pt|json)|.*\.tmp-\d+)")  # a v1 checkpoint's files, a temporary file
 
 
 class CheckpointError(ValueError):
@@ -40,20 +60,50 @@ class CheckpointError(ValueError):
     so ``minitp run`` says it in one line)."""
 
 
-# -- writing ------------------------------------------------------------------------------------------
+# -- the pieces of a plain module (DDP, or no data parallel), through torch's public optimizer state ---------
+def module_pieces(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[LocalPiece]:
+    """Every parameter of ``module`` whole, as one piece each, with its per-element optimizer state
+    (``optimizer.state[p]``; none before the first step), copied to the CPU."""
+    pieces = []
+    for name, p in module.named_parameters():
+        state = optimizer.state.get(p, {})
+        moments = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.shape == p.shape}
+        tensors = {k: v.detach().reshape(-1).clone().cpu() for k, v in {"param": p, **moments}.items()}
+        step = int(state["step"]) if "step" in state else None
+        pieces.append(LocalPiece(name, tuple(p.shape), 0, p.numel(), tensors, step))
+    return pieces
+
+
+@torch.no_grad()
+def load_module_pieces(module: nn.Module, pieces: list[LocalPiece], optimizer: torch.optim.Optimizer) -> None:
+    """Set every parameter of ``module`` (and its optimizer state, where the pieces carry one) from
+    whole pieces, one per parameter, as ``module_pieces`` makes them."""
+    by_name = {piece.name: piece for piece in pieces}
+    for name, p in module.named_parameters():
+        piece = by_name.get(name)
+        if piece is None or (piece.start, piece.stop, tuple(piece.shape)) != (0, p.numel(), tuple(p.shape)):
+            got = "nothing" if piece is None else f"[{piece.start}, {piece.stop}) of {list(piece.shape)}"
+            raise ValueError(f"expected {name} whole, {list(p.shape)}; got {got}")
+        p.copy_(piece.tensors["param"].view_as(p))
+        moments = {k: v.view_as(p).to(p.device).clone() for k, v in piece.tensors.items() if k != "param"}
+        if moments:
+            optimizer.state[p] = {"step": torch.tensor(float(piece.step)), **moments}
+
+
+# -- writing --------------------------------------------------------------------------------------------------
 def _write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that ``path`` never holds a part of it: a temporary file, fsync,
-    rename (atomic on POSIX), then fsync of the folder so the rename itself is on disk."""
+    rename (atomic on POSIX)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _fsync_dir(folder: str) -> None:
+    """Put a folder's entries (a rename, a new file) on disk."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,119 +111,126 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _pieces(par) -> tuple[dict[str, torch.Tensor], list[dict], int]:
-    """What this rank writes: {key: 1-D tensor}, the description of each piece, and AdamW's step."""
-    from minitp import comm
+def _digest(index: dict) -> str:
+    """SHA-256 of the index without its own checksum, in one canonical JSON spelling."""
+    body = {k: v for k, v in index.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    mesh = par.mesh
-    tp_rank = mesh.coords.tp
-    tensors, pieces, steps = {}, [], set()
 
-    def add(name: str, kind: str, flat: torch.Tensor, local_shape, start: int) -> None:
-        dim = par.split_dims[name]
-        if dim is None and tp_rank != 0:  # replicated over tp: the first tp rank writes it
-            return
-        key = f"{name}/{kind}/{start}"
-        tensors[key] = flat.detach().clone().contiguous()
-        pieces.append({"key": key, "name": name, "kind": kind, "tp_dim": dim,
-                       "tp_rank": tp_rank if dim is not None else 0, "tp": mesh.tp if dim is not None else 1,
-                       "local_shape": list(local_shape), "start": start, "stop": start + flat.numel()})
+def _current_folder(path: str) -> str | None:
+    """The save folder the index names, or None when there is no valid index."""
+    try:
+        return read_index(path)["folder"]
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return None
 
-    opt = par.optimizer
-    if par.fsdp is not None:  # this rank's shard [r·s, (r+1)·s) of each unit's flat buffer
-        fsdp = par.fsdp
-        r = comm.group_rank(fsdp.group)
-        for unit in fsdp.units:
-            s = unit.shard_numel
-            state = opt.state.get(unit.master, {})
-            flats = {"param": unit.master.detach(), **{k: state.get(k) for k in KINDS[1:]}}
-            if "step" in state:
-                steps.add(float(state["step"]))
-            for slot in unit.plan.slots:
-                lo, hi = max(slot.offset, r * s), min(slot.offset + slot.numel, (r + 1) * s)
-                if lo >= hi:
-                    continue
-                for kind, flat in flats.items():
-                    if flat is not None:
-                        add(slot.name, kind, flat[lo - r * s:hi - r * s], slot.shape, lo - slot.offset)
-    elif mesh.coords.dp == 0:  # DDP: every replica holds the same; the first one writes
-        for name, p in par.module.named_parameters():
-            state = opt.state.get(p, {})
-            if "step" in state:
-                steps.add(float(state["step"]))
-            for kind, t in (("param", p), *((k, state.get(k)) for k in KINDS[1:])):
-                if t is not None:
-                    add(name, kind, t.reshape(-1), p.shape, 0)
-    if len(steps) > 1:
-        raise CheckpointError(f"the optimizer's tensors are at different steps {sorted(steps)}")
-    return tensors, pieces, int(steps.pop()) if steps else 0
+
+def _remove_stale(path: str) -> None:
+    """Remove what no valid index names: save folders a crash left half-written (or a switch left
+    behind), temporary files, a version-1 checkpoint's files. Nothing else in ``path`` is touched."""
+    keep = _current_folder(path)
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if os.path.isdir(full) and SAVE_FOLDER.fullmatch(entry) and entry != keep:
+            shutil.rmtree(full, ignore_errors=True)
+        elif os.path.isfile(full) and STALE_FILE.fullmatch(entry):
+            os.remove(full)
+
+
+def _local_pieces(par) -> list[LocalPiece]:
+    """What this rank writes: its pieces; none for a DDP replica past the first, and no replicated
+    (tp-split None) parameter past the first tp rank."""
+    if par.fsdp is not None:
+        pieces = par.fsdp.local_pieces(par.optimizer)
+    elif par.mesh.coords.dp == 0:
+        pieces = module_pieces(par.module, par.optimizer)
+    else:
+        return []
+    return [p for p in pieces if par.split_dims[p.name] is not None or par.mesh.coords.tp == 0]
 
 
 def save(par, path: str, step: int) -> None:
     """Save a ``Parallel3D`` (parameters and AdamW state) after ``step`` training steps into folder
     ``path``. Call on every rank at once; ranks must share the file system."""
-    from minitp import comm
-
     mesh = par.mesh
-    os.makedirs(path, exist_ok=True)
-    comm.barrier()
-    if mesh.rank == 0 and os.path.exists(os.path.join(path, INDEX)):
-        os.remove(os.path.join(path, INDEX))  # from now on the folder is not a checkpoint until the end
-        _fsync_dir(path)
-    comm.barrier()
-    tensors, pieces, optimizer_step = _pieces(par)
-    name = f"rank{mesh.rank:05d}.pt"
-    buffer = io.BytesIO()
-    torch.save(tensors, buffer)
-    data = buffer.getvalue()
-    if pieces:  # a DDP replica past the first holds nothing new: it writes only its note below
-        _write_atomic(os.path.join(path, name), data)
-    meta = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": pieces,
-            "optimizer_step": optimizer_step, "shapes": _whole_shapes(par)}
-    _write_atomic(os.path.join(path, f"rank{mesh.rank:05d}.json"), json.dumps(meta).encode())
-    comm.barrier()  # every rank's files are in place
     if mesh.rank == 0:
-        metas = []
+        os.makedirs(path, exist_ok=True)
+        _remove_stale(path)
+    comm.barrier()
+    current = _current_folder(path)  # the same on every rank: nobody changes the index before the end
+    folder = f"save-{int(current[5:]) + 1 if current else 1:06d}"
+    os.makedirs(os.path.join(path, folder), exist_ok=True)
+    pieces = _local_pieces(par)
+    tp_rank = mesh.coords.tp
+    tensors, described = {}, []
+    for piece in pieces:
+        dim = par.split_dims[piece.name]
+        for kind, t in piece.tensors.items():
+            key = f"{piece.name}/{kind}/{piece.start}"
+            tensors[key] = t
+            described.append({"key": key, "name": piece.name, "kind": kind, "tp_dim": dim,
+                              "tp_rank": tp_rank if dim is not None else 0, "tp": mesh.tp if dim is not None else 1,
+                              "local_shape": list(piece.shape), "start": piece.start, "stop": piece.stop,
+                              "optimizer_step": piece.step})
+    name = f"{folder}/rank{mesh.rank:05d}.pt"
+    steps = {d["key"]: d["optimizer_step"] for d in described}
+    buffer = io.BytesIO()
+    torch.save({"step": step, "optimizer_steps": steps, "tensors": tensors}, buffer)
+    data = buffer.getvalue()
+    if described:  # a rank that holds nothing new writes only its note
+        _write_atomic(os.path.join(path, name), data)
+    note = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": described}
+    _write_atomic(os.path.join(path, folder, f"rank{mesh.rank:05d}.json"), json.dumps(note).encode())
+    comm.barrier()  # every rank's files are on disk
+    if mesh.rank == 0:
+        _fsync_dir(os.path.join(path, folder))
+        notes = []
         for r in range(mesh.world_size):
-            with open(os.path.join(path, f"rank{r:05d}.json")) as f:
-                metas.append(json.load(f))
-        shapes = {k: v for m in metas for k, v in m["shapes"].items()}
-        opt_steps = {m["optimizer_step"] for m in metas if m["pieces"]}
-        index = {"format": FORMAT, "step": step, "optimizer_step": max(opt_steps, default=0),
-                 "layout": mesh.shape, "world_size": mesh.world_size, "data_parallel": par.data_parallel,
-                 "zero": par.zero, "shapes": shapes,
-                 "files": {m["file"]: {"bytes": m["bytes"], "sha256": m["sha256"]} for m in metas if m["pieces"]},
-                 "pieces": [{**p, "file": m["file"]} for m in metas for p in m["pieces"]]}
-        _write_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())
+            with open(os.path.join(path, folder, f"rank{r:05d}.json")) as f:
+                notes.append(json.load(f))
+        all_pieces = [{**p, "file": n["file"]} for n in notes for p in n["pieces"]]
+        missing = sorted(set(par.whole_shapes) - {p["name"] for p in all_pieces})
+        if missing:
+            raise CheckpointError(f"no rank saved {', '.join(missing)}")
+        index = {"format": FORMAT, "folder": folder, "step": step,
+                 "optimizer_step": max((p["optimizer_step"] or 0 for p in all_pieces), default=0),
+                 "config": _config_dict(par.config), "layout": mesh.shape, "world_size": mesh.world_size,
+                 "data_parallel": par.data_parallel, "zero": par.zero,
+                 "shapes": {k: list(v) for k, v in par.whole_shapes.items()},
+                 "files": {n["file"]: {"bytes": n["bytes"], "sha256": n["sha256"]} for n in notes if n["pieces"]},
+                 "pieces": all_pieces}
+        index["sha256"] = _digest(index)
+        _write_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())  # the switch
+        _fsync_dir(path)
+        _remove_stale(path)  # the previous save folder
     comm.barrier()  # no rank goes on before the checkpoint is whole
 
 
-def _whole_shapes(par) -> dict[str, list[int]]:
-    """The whole (unsplit) shape of every parameter this rank holds a piece of."""
-    shapes = {}
-    for name, (shape, dim) in _local_meta(par).items():
-        shapes[name] = [n * par.mesh.tp if d == dim else n for d, n in enumerate(shape)]
-    return shapes
+def _config_dict(config) -> dict:
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
 
 
-def _local_meta(par) -> dict[str, tuple[tuple[int, ...], int | None]]:
-    """{name: (this rank's tp-slice shape, tp split dim)} for the parameters of its stage."""
-    if par.fsdp is not None:
-        return {s.name: (tuple(s.shape), par.split_dims[s.name]) for u in par.fsdp.units for s in u.plan.slots}
-    return {n: (tuple(p.shape), par.split_dims[n]) for n, p in par.module.named_parameters()}
-
-
-# -- reading ------------------------------------------------------------------------------------------
+# -- reading --------------------------------------------------------------------------------------------------
 def read_index(path: str) -> dict:
-    """The checkpoint's index; refuses a folder whose save did not finish."""
+    """The checkpoint's index, checked against its own SHA-256; refuses a folder whose save never
+    finished and an index that was edited or cut short."""
     index_path = os.path.join(path, INDEX)
     if not os.path.exists(index_path):
-        raise CheckpointError(f"no {INDEX} in {path}: not a finished checkpoint (a save that crashed midway "
-                              f"leaves none); refusing to load it")
-    with open(index_path) as f:
-        index = json.load(f)
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{index_path} has format {index.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"no {INDEX} in {path}: not a finished checkpoint (a save that crashed before "
+                              f"its first switch leaves none); refusing to load it")
+    with open(index_path, "rb") as f:
+        data = f.read()
+    try:
+        index = json.loads(data)
+    except ValueError as e:
+        raise CheckpointError(f"{index_path} is not valid JSON ({e}): torn or edited; refusing to load") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(f"{index_path} has format {found!r}, expected {FORMAT!r}")
+    if index.get("sha256") != _digest(index):
+        said = str(index.get("sha256"))[:12]
+        raise CheckpointError(f"{index_path} does not match its own SHA-256 (it says {said}..., its content hashes "
+                              f"to {_digest(index)[:12]}...): it was edited or torn; refusing to load")
     return index
 
 
@@ -185,35 +242,49 @@ class _Reader:
 
     def file(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self.files:
-            expected = self.index["files"].get(name)
+            where, expected = os.path.join(self.path, name), self.index["files"].get(name)
             if expected is None:
-                raise CheckpointError(f"{name} is not listed in the index of {self.path}")
+                raise CheckpointError(f"{name} is not listed in {os.path.join(self.path, INDEX)}")
             try:
-                with open(os.path.join(self.path, name), "rb") as f:
+                with open(where, "rb") as f:
                     data = f.read()
             except FileNotFoundError:
-                raise CheckpointError(f"{name} of {self.path} is missing; refusing to load") from None
-            if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-                raise CheckpointError(f"{name} of {self.path} has {len(data)} bytes and SHA-256 "
-                                      f"{hashlib.sha256(data).hexdigest()[:12]}..., the index says {expected['bytes']} "
-                                      f"bytes and {expected['sha256'][:12]}...: the file is torn or was changed; "
-                                      f"refusing to load")
-            self.files[name] = torch.load(io.BytesIO(data), weights_only=True)
-        return self.files[name]
+                raise CheckpointError(f"{where} is missing; refusing to load") from None
+            digest = hashlib.sha256(data).hexdigest()
+            if len(data) != expected["bytes"] or digest != expected["sha256"]:
+                raise CheckpointError(f"{where} has {len(data)} bytes and SHA-256 {digest[:12]}..., the index says "
+                                      f"{expected['bytes']} bytes and {expected['sha256'][:12]}...: the file is torn "
+                                      f"or was changed; refusing to load")
+            self.files[name] = self._check(name, _load_tensors(where, data))
+        return self.files[name]["tensors"]
+
+    def _check(self, name: str, content) -> dict:
+        """The file must say what the index says: the step, and each tensor's optimizer step."""
+        where, index_path = os.path.join(self.path, name), os.path.join(self.path, INDEX)
+        if not isinstance(content, dict) or content.get("step") != self.index["step"]:
+            step = content.get("step") if isinstance(content, dict) else None
+            raise CheckpointError(f"{where} was saved at step {step}, {index_path} says step {self.index['step']}")
+        for piece in (p for p in self.index["pieces"] if p["file"] == name):
+            saved = content.get("optimizer_steps", {}).get(piece["key"], "none")
+            if saved != piece["optimizer_step"]:
+                raise CheckpointError(f"{where} holds {piece['key']} at optimizer step {saved}, {index_path} says "
+                                      f"{piece['optimizer_step']}")
+        return content
+
+    def pieces(self, name: str, kind: str) -> list[dict]:
+        return [p for p in self.index["pieces"] if p["name"] == name and p["kind"] == kind]
 
     def whole(self, name: str, kind: str) -> torch.Tensor:
         """The whole tensor ``name`` (or its moment ``kind``), put together from its pieces."""
-        pieces = [p for p in self.index["pieces"] if p["name"] == name and p["kind"] == kind]
+        pieces = self.pieces(name, kind)
         if not pieces:
-            raise CheckpointError(f"the checkpoint has no {kind} of {name}")
+            raise CheckpointError(f"{os.path.join(self.path, INDEX)} has no {kind} of {name}")
         tp, dim = pieces[0]["tp"], pieces[0]["tp_dim"]
         slices = []
         for t in range(tp):
             mine = sorted((p for p in pieces if p["tp_rank"] == t), key=lambda p: p["start"])
-            shape = mine[0]["local_shape"] if mine else None
-            numel = 1
-            for n in shape or [0]:
-                numel *= n
+            shape = mine[0]["local_shape"] if mine else [0]
+            numel = math.prod(shape)
             covered = [(p["start"], p["stop"]) for p in mine]
             expected = list(zip([0] + [b for _, b in covered[:-1]], [b for _, b in covered]))
             if not mine or covered != expected or covered[-1][1] != numel:
@@ -223,63 +294,82 @@ class _Reader:
             slices.append(flat.view(shape))
         return slices[0] if dim is None else torch.cat(slices, dim=dim)
 
+    def optimizer_step(self, name: str) -> int | None:
+        steps = {p["optimizer_step"] for p in self.pieces(name, "param")}
+        if len(steps) != 1:
+            raise CheckpointError(f"the pieces of {name} are at optimizer steps {sorted(steps, key=str)}")
+        return steps.pop()
+
+
+def _load_tensors(where: str, data: bytes):
+    """torch.load with weights_only=True; a refused object is the checkpoint's fault, named as such."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(f"{where} holds an object that is not a tensor or a plain container{what}: a "
+                              f"checkpoint of minitp holds tensors only; refusing to load it") from None
+
 
 def load_full(path: str) -> dict:
     """The whole checkpoint on one process, no process group needed:
-    {"step", "optimizer_step", "params": {name: tensor}, "exp_avg": {...}, "exp_avg_sq": {...}}."""
+    {"step", "optimizer_step", "config", "params": {name: tensor}, "exp_avg": {...}, "exp_avg_sq": {...}}."""
     index = read_index(path)
     reader = _Reader(path, index)
-    out = {"step": index["step"], "optimizer_step": index["optimizer_step"]}
+    out = {"step": index["step"], "optimizer_step": index["optimizer_step"], "config": index["config"]}
     for kind in KINDS:
-        out["params" if kind == "param" else kind] = {name: reader.whole(name, kind) for name in index["shapes"]}
+        out["params" if kind == "param" else kind] = {name: reader.whole(name, kind) for name in index["shapes"]
+                                                      if reader.pieces(name, kind)}
     return out
+
+
+def check_fits(index: dict, path: str, config, whole_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a checkpoint that does not fit a model of ``config`` with parameters ``whole_shapes``:
+    a shape, a field of the config, a tensor of the model not saved, a saved tensor the model has not."""
+    index_path = os.path.join(path, INDEX)
+    for name, shape in whole_shapes.items():
+        saved = index["shapes"].get(name)
+        if saved is not None and saved != list(shape):
+            raise CheckpointError(f"{name} is {saved} in {index_path}, the model's is {list(shape)}")
+    mine, saved = _config_dict(config), index.get("config") or {}
+    differ = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
+    if differ:
+        then, now = (", ".join(f"{k}={config.get(k)}" for k in differ) for config in (saved, mine))
+        raise CheckpointError(f"checkpoint {index_path} was saved from {then}, this model has {now}")
+    missing, extra = sorted(set(whole_shapes) - set(index["shapes"])), sorted(set(index["shapes"]) - set(whole_shapes))
+    if missing:
+        raise CheckpointError(f"checkpoint {index_path} has no {', '.join(missing)}, which this model has")
+    if extra:
+        raise CheckpointError(f"checkpoint {index_path} holds {', '.join(extra)}, which this model has not: "
+                              f"every saved tensor must be loaded")
 
 
 def load(par, path: str, expected_step: int | None = None) -> int:
     """Load a checkpoint saved at any layout into a ``Parallel3D`` (every rank at once): parameters
     and AdamW state, cut for this rank. Returns the step it was saved at."""
-    from minitp import comm
-
     index = read_index(path)
     if expected_step is not None and index["step"] != expected_step:
-        raise CheckpointError(f"{path} is at step {index['step']}, expected step {expected_step}")
+        raise CheckpointError(f"{os.path.join(path, INDEX)} is at step {index['step']}, expected step {expected_step}")
+    check_fits(index, path, par.config, par.whole_shapes)
     reader = _Reader(path, index)
-    mesh, opt = par.mesh, par.optimizer
-    tp, tp_rank = mesh.tp, mesh.coords.tp
-    meta = _local_meta(par)
-    for name, (shape, dim) in meta.items():
-        if name not in index["shapes"]:
-            raise CheckpointError(f"{path} holds no parameter {name}: saved from another model?")
-        whole = list(shape)
-        if dim is not None:
-            whole[dim] *= tp
-        if whole != index["shapes"][name]:
-            raise CheckpointError(f"{name} is {index['shapes'][name]} in {path}, the model's is {whole}")
-
-    def local(name: str, kind: str) -> torch.Tensor:  # this rank's tp slice of the whole tensor
-        t, dim = reader.whole(name, kind), meta[name][1]
-        return t if dim is None else t.chunk(tp, dim=dim)[tp_rank]
-
-    step = torch.tensor(float(index["optimizer_step"]))
-    with torch.no_grad():
+    tp, tp_rank = par.mesh.tp, par.mesh.coords.tp
+    shapes = par.fsdp.param_shapes if par.fsdp is not None else {n: tuple(p.shape) for n, p in
+                                                                  par.module.named_parameters()}
+    pieces = []
+    for name, shape in shapes.items():  # this rank's tp slice of each tensor, whole
+        dim, tensors = par.split_dims[name], {}
+        for kind in KINDS:
+            if kind == "param" or reader.pieces(name, kind):  # moments: none before the first step
+                t = reader.whole(name, kind)
+                tensors[kind] = (t if dim is None else t.chunk(tp, dim=dim)[tp_rank]).reshape(-1)
+        pieces.append(LocalPiece(name, shape, 0, tensors["param"].numel(), tensors, reader.optimizer_step(name)))
+    try:
         if par.fsdp is not None:
-            fsdp = par.fsdp
-            r = comm.group_rank(fsdp.group)
-            for unit in fsdp.units:
-                s = unit.shard_numel
-                flats = {k: torch.zeros(unit.padded) for k in KINDS}  # (P,), the padding zero as after init
-                for slot in unit.plan.slots:
-                    for kind in KINDS:
-                        flats[kind][slot.offset:slot.offset + slot.numel] = local(slot.name, kind).reshape(-1)
-                if fsdp.zero < 3:  # full parameters held; the master shard is a view of them
-                    unit.full.data.copy_(flats["param"])
-                else:
-                    unit.master.data.copy_(flats["param"][r * s:(r + 1) * s])
-                opt.state[unit.master] = {"step": step.clone(),
-                                          **{k: flats[k][r * s:(r + 1) * s].clone() for k in KINDS[1:]}}
+            par.fsdp.load_local_pieces(pieces, par.optimizer)
         else:
-            for name, p in par.module.named_parameters():
-                p.copy_(local(name, "param"))
-                opt.state[p] = {"step": step.clone(), **{k: local(name, k).clone() for k in KINDS[1:]}}
+            load_module_pieces(par.module, pieces, par.optimizer)
+    except ValueError as e:
+        raise CheckpointError(f"{os.path.join(path, INDEX)} does not fit this rank: {e}") from None
     comm.barrier()
     return index["step"]

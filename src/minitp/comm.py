@@ -6,7 +6,8 @@ process (``minitp.trace``). Tracing is not bolted on: it is how the library send
 strategy that sends something unexpected shows up in its byte count.
 
 Ranks given to these functions (``src``, ``dst``) are global ranks, as in ``torch.distributed``.
-``group=None`` means the whole world.
+``group=None`` means the whole world. Each event also records the mesh dimension its group was
+named with (``name_group``): byte tables and figures split the traffic by it, never by label.
 
 The second half holds the autograd-aware operators of tensor parallelism (Megatron-LM's f and g):
 a message in forward paired with its transpose in backward, so gradients come out right without
@@ -16,6 +17,7 @@ hooks.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,16 +27,61 @@ from minitp import trace as _trace
 
 ReduceOp = dist.ReduceOp
 
-_group_ranks_cache: dict[int, tuple[int, ...]] = {}
+# Facts about a process group, keyed by the group object itself and held weakly: when a destroyed
+# group is collected its entries go with it, so a group made later (the next launch forked from the
+# same process, a new world under torchrun) never inherits them, even at the same address.
+_group_ranks_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_group_dims: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _resolve(group):
+    """The group object ``group`` stands for (the world when None), or None where there is none to
+    key on: no world yet, or the marker ``new_group`` returns to ranks outside the group."""
+    group = dist.group.WORLD if group is None else group
+    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 def group_ranks(group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
     """The global ranks of ``group`` (the world when None), in group order."""
-    group = group or dist.group.WORLD
-    key = id(group)
+    key = _resolve(group)
+    if key is None:
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     if key not in _group_ranks_cache:
-        _group_ranks_cache[key] = tuple(dist.get_process_group_ranks(group))
+        _group_ranks_cache[key] = tuple(dist.get_process_group_ranks(key))
     return _group_ranks_cache[key]
+
+
+def name_group(group: dist.ProcessGroup | None, dim: str, *, unless_named: bool = False) -> None:
+    """Say which mesh dimension ("dp", "fsdp", "tp", "pp", ...) ``group`` (the world when None)
+    carries: every message sent through it is recorded with ``Event.dim == dim``.
+
+    ``Mesh`` names each group it creates; each strategy wrapper names the group it is given with
+    ``unless_named=True``, so a mesh's "dp" group stays "dp" when FSDP runs on it, and a group
+    handed to DDP alone becomes "dp". The rule:
+
+    * a group other than the world is named once: the same name again does nothing; another name
+      is a ``ValueError`` naming both, or with ``unless_named`` leaves the first name in place;
+    * the world takes the latest name: one process may run several strategies on the whole world
+      in turn (DDP, then FSDP), and each names it for its own messages.
+
+    A name lives as long as its group object: a group made after another is destroyed starts
+    unnamed. Calling it on a rank outside ``group`` (``new_group``'s marker) does nothing.
+    """
+    key = _resolve(group)
+    if key is None:
+        return
+    had = _group_dims.get(key)
+    if had is None or had == dim or key is dist.group.WORLD:
+        _group_dims[key] = dim
+    elif not unless_named:
+        raise ValueError(f"process group {group_ranks(key)} is already named {had!r}; "
+                         f"it cannot also be named {dim!r}")
+
+
+def group_dim(group: dist.ProcessGroup | None = None) -> str:
+    """The mesh dimension ``group`` (the world when None) was named with, or "" if none was."""
+    key = _resolve(group)
+    return "" if key is None else _group_dims.get(key, "")
 
 
 def group_size(group: dist.ProcessGroup | None = None) -> int:
@@ -77,8 +124,9 @@ def _record(op: str, tensor: torch.Tensor, nbytes: int, group, label: str, start
         position = (ranks.index(dist.get_rank()) - ranks.index(src)) % len(ranks)
     event = _trace.Event(
         rank=dist.get_rank(), kind="comm", op=op, label=tr.label(label), start=start, end=start,
-        group=ranks, peer=peer, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-        bytes=nbytes, sent_bytes=cost.collective_sent_bytes(op, nbytes, len(ranks), position),
+        group=ranks, dim=group_dim(group), peer=peer, shape=tuple(tensor.shape),
+        dtype=str(tensor.dtype).replace("torch.", ""), bytes=nbytes,
+        sent_bytes=cost.collective_sent_bytes(op, nbytes, len(ranks), position),
     )
     return tr.add(event)
 

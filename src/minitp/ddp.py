@@ -16,6 +16,14 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
   waited for, and the averaged values are copied back into ``param.grad``.
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
   accumulation); the first backward outside it all-reduces the accumulated sum.
+* A parameter that **no rank used** (a branch the forward skipped) keeps ``grad`` None, as on one
+  process, so the optimizer skips it: weight decay does not move it, its step count stays. The ranks
+  agree on it inside the bucket's own all-reduce, with no extra byte: a rank that did not use a
+  parameter sends -0.0 for it. Adding -0.0 changes nothing (x + -0.0 = x, and 0.0 + -0.0 = 0.0), and
+  only a sum of -0.0 alone is -0.0, so an average that is -0.0 in every element was used by no rank.
+  (A used gradient that is exactly -0.0 everywhere reads the same, on every rank alike; a backend
+  whose sum started from +0.0 would read every parameter as used, and give it a zero gradient.) A
+  parameter used on some ranks gets the average, the other ranks counting as zeros.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch.nn as nn
 
 from minitp import comm
 from minitp.launch import device
+from minitp.layout import bucket_ranges
 
 
 @dataclass
@@ -47,19 +56,10 @@ class Bucket:
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Group parameters (already in backward order) into buckets of at most ``bucket_bytes``; a
-    parameter larger than a bucket gets one of its own. ``minitp.cost.num_buckets`` counts the same."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-    buckets: list[list[nn.Parameter]] = []
-    filled = 0
-    for p in params:
-        size = p.numel() * p.element_size()
-        if not buckets or filled + size > bucket_bytes:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(p)
-        filled += size
-    return buckets
+    parameter larger than a bucket gets one of its own (``minitp.layout.bucket_ranges``, which
+    ``minitp.cost.num_buckets`` counts)."""
+    ranges = bucket_ranges([p.numel() * p.element_size() for p in params], bucket_bytes)
+    return [params[r.start:r.stop] for r in ranges]
 
 
 class DistributedDataParallel(nn.Module):
@@ -77,6 +77,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.module = module
         self.group = group
+        comm.name_group(group, "dp", unless_named=True)  # its messages' Event.dim
         self.world_size = comm.group_size(group)
         self.bucket_bytes = int(bucket_mb * 2**20)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -147,8 +148,8 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket: Bucket) -> None:
         for p, offset in zip(bucket.params, bucket.offsets):
             view = bucket.buffer[offset:offset + p.numel()]
-            if p.grad is None:  # a parameter that took no part in this forward
-                view.zero_()
+            if p.grad is None:  # took no part in this forward: -0.0 says so (see the top)
+                view.fill_(-0.0)
             else:
                 view.copy_(p.grad.reshape(-1))
         bucket.buffer.div_(self.world_size)  # average = sum of (grad / n)
@@ -164,13 +165,21 @@ class DistributedDataParallel(nn.Module):
             bucket.handle.wait()
             for p, offset in zip(bucket.params, bucket.offsets):
                 averaged = bucket.buffer[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
+                if used_by_no_rank(averaged):  # the same verdict on every rank: they hold the same sum
+                    p.grad = None
+                elif p.grad is None:
                     p.grad = averaged.clone()
                 else:
                     p.grad.copy_(averaged)
             bucket.ready, bucket.handle = 0, None
         self._next_bucket = 0
         self._callback_queued = False
+
+
+def used_by_no_rank(averaged: torch.Tensor) -> bool:
+    """Did every rank send -0.0 for every element, i.e. did no rank use this parameter? (-0.0 stays
+    -0.0 through the division by n and a sum of -0.0 alone; any rank's 0.0 or value makes it not.)"""
+    return not averaged.any() and bool(averaged.signbit().all())
 
 
 # -- the data side -------------------------------------------------------------------------------------

@@ -26,7 +26,17 @@ ZeRO-3 sends 1.5 times that, for 1/n of the memory (``minitp.cost.fsdp_step_byte
 Also here: prefetch (the next unit's all-gather is started before this unit computes, so it
 overlaps), bf16 mixed precision (the ZeRO paper's recipe: bf16 parameters and gradients, gathered
 and computed in bf16, an fp32 master shard that the optimizer steps, gradients summed over ranks in
-fp32), activation checkpointing of the wrapped blocks, and gathering the full state dict.
+fp32), activation checkpointing of the wrapped blocks, gathering the full state dict, and the
+pieces of parameters each rank holds (``local_pieces`` / ``load_local_pieces``: what a checkpoint
+saves and loads). How the units and shards are laid out is in ``minitp.fsdp_units``.
+
+**A parameter no rank used** (a branch the forward skipped) is left as one process leaves it (with
+``zero_grad()``'s default: no gradient, so AdamW skips it), as far as a flat unit allows: its values
+and AdamW moments are put back after the step, so weight decay does not move it. The ranks agree
+on it as DDP's do, inside the reduce-scatter: a rank that did not use it sends -0.0 (see
+``minitp.ddp``). What the flat layout does not allow: AdamW keeps one step count per shard, so the
+unit's count advances. A parameter unused for some steps and used later gets the unit's bias
+correction, where one process (or ``fully_shard``) counts its own steps.
 
 The model stays plain: its parameters are replaced by views into the units' flat buffers, set as
 ordinary tensor attributes before each forward, so its own code runs unchanged.
@@ -35,150 +45,18 @@ ordinary tensor attributes before each forward, so its own code runs unchanged.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from minitp import comm
-from minitp.models import TransformerBlock
-
-WrapPolicy = Callable[[str, nn.Module], bool]
-
-
-def wrap_blocks(name: str, module: nn.Module) -> bool:
-    """The default wrapping policy: every transformer block is a unit; the root keeps the rest."""
-    return isinstance(module, TransformerBlock)
-
-
-# -- planning the units (no process group needed, so it can be checked and costed anywhere) ----------
-@dataclass
-class ParamSlot:
-    """Where one of the model's parameters lives inside its unit's flat buffer."""
-
-    name: str  # full name in the plain model, e.g. "layers.0.attention.wq.weight"
-    owner: nn.Module  # the module whose attribute it is
-    attr: str  # "weight"
-    shape: torch.Size
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-@dataclass
-class UnitPlan:
-    name: str  # "root" or the wrapped module's name, e.g. "layers.1"
-    module: nn.Module
-    slots: list[ParamSlot]
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-
-def plan_units(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks) -> list[UnitPlan]:
-    """Cut ``model`` into units: the root first (what no wrapped module claims), then each module
-    the policy wraps, in the order the model registers them (which must be the order forward runs
-    them, since prefetch follows it). A module inside a wrapped one belongs to the outer unit.
-
-    Raises a ``ValueError`` for what would go wrong later: a wrapped module with no parameters, a
-    unit with fewer elements than ranks (some rank would hold nothing but padding), a parameter
-    shared by two modules, a dtype other than float32 (the master copy is fp32).
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    counts: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        counts.setdefault(id(p), []).append(name)
-    for names in counts.values():
-        if len(names) > 1:
-            raise ValueError(f"a parameter shared between {' and '.join(names)}: minitp.fsdp gives every "
-                             "parameter one place in one unit; untie the weights")
-    for name, p in model.named_parameters():
-        if p.dtype != torch.float32:
-            raise ValueError(f"unsupported dtype: {name} is {p.dtype}, expected torch.float32 (the sharded "
-                             "master weights are fp32; ask for bf16 compute with mixed_precision=torch.bfloat16)")
-
-    wrapped: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(w + ".") for w, _ in wrapped):
-            continue
-        if wrap(name, module):
-            wrapped.append((name, module))
-    claimed: set[int] = set()
-    plans = []
-    for name, module in wrapped:
-        params = list(module.named_parameters(prefix=name))
-        if not params:
-            raise ValueError(f"a unit with no parameters: {name} ({type(module).__name__}); the wrapping "
-                             "policy chose a module that holds nothing to shard")
-        plans.append(UnitPlan(name, module, _slots(model, params)))
-        claimed.update(id(p) for _, p in params)
-    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in claimed]
-    if rest:
-        plans.insert(0, UnitPlan("root", model, _slots(model, rest)))
-    for plan in plans:
-        if plan.numel < world_size:
-            raise ValueError(f"unit {plan.name} has {plan.numel} elements, fewer than the {world_size} ranks: "
-                             f"ranks {plan.numel}..{world_size - 1} would hold nothing but padding; wrap it "
-                             "together with more parameters or use fewer ranks")
-    return plans
-
-
-def _slots(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> list[ParamSlot]:
-    slots, offset = [], 0
-    for name, p in named:
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        slots.append(ParamSlot(name, owner, attr, p.shape, offset))
-        offset += p.numel()
-    return slots
-
-
-def unit_numels(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks) -> list[int]:
-    """Elements of each unit (root first), unpadded: what ``minitp.cost.fsdp_*`` take."""
-    return [plan.numel for plan in plan_units(model, world_size, wrap)]
-
-
-# -- a unit at run time ---------------------------------------------------------------------------------
-@dataclass
-class Unit:
-    """One flat-sharded group of parameters and everything this rank keeps for it.
-
-    Between steps (P = padded elements, P/n per shard, c = compute dtype: fp32, or bf16 in mixed
-    precision):
-      ZeRO-1: full (P, c) + grad_full (P, c) + master/moments (P/n)
-      ZeRO-2: full (P, c) + grad_shard (P/n, c) + master/moments (P/n)
-      ZeRO-3: shard (P/n, c) + grad_shard (P/n, c) + master/moments (P/n)   (full's storage freed)
-    In fp32 the master *is* the parameter shard (a view into ``full`` for ZeRO-1/2); in mixed
-    precision it is a separate fp32 shard, counted with the optimizer state as in the ZeRO paper.
-    """
-
-    name: str
-    plan: UnitPlan
-    padded: int  # P: elements, rounded up to a multiple of n
-    full: torch.Tensor  # (P,) leaf; the parameters are views into it; storage freed when resharded
-    shard: torch.Tensor  # (P/n,) this rank's slice, compute dtype: the all-gather's input
-    master: nn.Parameter  # (P/n,) fp32: what the optimizer steps
-    grad_full: torch.Tensor | None = None  # ZeRO-1 only: (P,) the kept full gradient
-    grad_shard: torch.Tensor | None = None  # (P/n,) the averaged gradient of this rank's shard
-    gathered: bool = False  # does ``full`` hold the parameters right now?
-    gather: comm.Handle | None = field(default=None, repr=False)  # a prefetch in flight
-    reducing: tuple | None = field(default=None, repr=False)  # (handle, output, input) in flight
-    reduced: bool = False  # has this backward reduced its gradient yet?
-
-    @property
-    def shard_numel(self) -> int:
-        return self.shard.numel()
-
-    def full_bytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
+from minitp import comm, fsdp_units
+from minitp.ddp import used_by_no_rank
+from minitp.fsdp_units import LocalPiece, Unit, UnitPlan, WrapPolicy, plan_units, unit_numels, wrap_blocks  # noqa: F401
+from minitp.layout import padded_numel, shard_range
+from minitp.memory import storage_bytes
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -211,6 +89,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"unsupported dtype: mixed_precision={mixed_precision}, expected None or "
                              "torch.bfloat16 (float16 would need loss scaling, which minitp does not do)")
         self.module, self.group, self.zero = module, group, zero
+        comm.name_group(group, "fsdp", unless_named=True)  # its messages' Event.dim (a mesh's group keeps "dp")
         self.world_size, self.rank = comm.group_size(group), comm.group_rank(group)
         self.reshard_after_forward, self.prefetch, self.checkpoint = reshard_after_forward, prefetch, checkpoint
         self.compute_dtype = mixed_precision or torch.float32
@@ -227,6 +106,7 @@ class FullyShardedDataParallel(nn.Module):
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter is still running
         self._callback_queued = False
         self._sync = True  # False inside no_sync(): gradients accumulate, nothing is sent
+        self._kept: list = []  # during an optimizer step: (unit, part, values, moments) to put back
         for unit in self.units:
             unit.full.register_post_accumulate_grad_hook(functools.partial(self._reduce_gradient, unit))
             if unit is self.root:
@@ -240,22 +120,22 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _make_unit(self, plan: UnitPlan) -> Unit:
         n, r = self.world_size, self.rank
-        padded = -(-plan.numel // n) * n
-        s = padded // n
+        padded, mine = padded_numel(plan.numel, n), shard_range(plan.numel, n, r)  # P, this rank's P/n
         flat = torch.zeros(padded, dtype=torch.float32, device=_device_of(plan))  # (P,)
         for slot in plan.slots:
             flat[slot.offset:slot.offset + slot.numel] = getattr(slot.owner, slot.attr).reshape(-1)
             del slot.owner._parameters[slot.attr]  # the model keeps a plain attribute from now on
         if self.zero == 3:
             full = torch.empty(padded, dtype=self.compute_dtype, device=flat.device)
-            master = nn.Parameter(flat[r * s:(r + 1) * s].clone())  # (P/n,) fp32
+            master = nn.Parameter(flat[mine.start:mine.stop].clone())  # (P/n,) fp32
             shard = master.detach().to(self.compute_dtype) if self.mixed else master.detach()
         else:  # ZeRO-1/2: full parameters held; the shard is a view of this rank's slice of them
             full = flat.to(self.compute_dtype)
-            shard = full[r * s:(r + 1) * s]
-            master = nn.Parameter(flat[r * s:(r + 1) * s].clone() if self.mixed else shard)
+            shard = full[mine.start:mine.stop]
+            master = nn.Parameter(flat[mine.start:mine.stop].clone() if self.mixed else shard)
         full.requires_grad_(True)
-        unit = Unit(plan.name, plan, padded, full, shard, master, gathered=self.zero < 3)
+        unit = Unit(plan.name, plan, padded, full, shard, master, gathered=self.zero < 3,
+                    used=[False] * len(plan.slots))
         self._set_views(unit)  # the attributes exist from now on; ZeRO-3's point at freed storage
         if self.zero == 3:
             full.untyped_storage().resize_(0)  # nothing gathered yet
@@ -265,11 +145,15 @@ class FullyShardedDataParallel(nn.Module):
     def _set_views(self, unit: Unit) -> None:
         """Point the model's attributes at views of the unit's full buffer. Under grad mode the
         views come from one ``split``, so backward gathers every parameter's gradient into one
-        full-size ``unit.full.grad`` (the padding's part zero), then calls ``_reduce_gradient``."""
+        full-size ``unit.full.grad`` (the padding's part zero), then calls ``_reduce_gradient``.
+        A hook on each view notes that backward reached it: that parameter was used."""
         sizes = [slot.numel for slot in unit.plan.slots]
         pieces = unit.full.split([*sizes, unit.padded - sum(sizes)])
-        for slot, piece in zip(unit.plan.slots, pieces):
-            setattr(slot.owner, slot.attr, piece.view(slot.shape))
+        for i, (slot, piece) in enumerate(zip(unit.plan.slots, pieces)):
+            view = piece.view(slot.shape)
+            if view.requires_grad:
+                view.register_hook(functools.partial(_mark_used, unit.used, i))
+            setattr(slot.owner, slot.attr, view)
 
     def _unshard(self, unit: Unit, phase: str, async_op: bool = False) -> None:
         """Make ``unit.full`` hold the parameters: all-gather every rank's shard into it."""
@@ -366,6 +250,9 @@ class FullyShardedDataParallel(nn.Module):
         if self._in_flight is not None:
             self._finish_reduce(self._in_flight)
         send = grad.float() if self.mixed else grad  # (P,) fp32: the sum over ranks is taken in fp32
+        for slot, used in zip(unit.plan.slots, unit.used):
+            if not used:  # -0.0: "this rank did not use it" (see the top)
+                send[slot.offset:slot.offset + slot.numel] = -0.0
         send.div_(self.world_size)  # the mean over ranks = the gradient of the whole batch
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=send.device)  # (P/n,)
         handle = comm.reduce_scatter(out, send, self.group, async_op=True, label=f"fsdp/{unit.name}/reduce_scatter")
@@ -387,6 +274,16 @@ class FullyShardedDataParallel(nn.Module):
         if not self.mixed:
             unit.master.grad = unit.grad_shard
         unit.reducing, self._in_flight = None, None
+        # the parts of this shard whose parameter no rank used: the step must leave them alone
+        mine, unit.untouched = self._shard_range(unit), []
+        for slot, used in zip(unit.plan.slots, unit.used):
+            lo, hi = max(slot.offset, mine.start) - mine.start, min(slot.offset + slot.numel, mine.stop) - mine.start
+            if not used and lo < hi and used_by_no_rank(out[lo:hi]):
+                unit.untouched.append(range(lo, hi))
+        unit.used[:] = [False] * len(unit.used)
+
+    def _shard_range(self, unit: Unit) -> range:
+        return shard_range(unit.plan.numel, self.world_size, self.rank)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -446,9 +343,14 @@ class FullyShardedDataParallel(nn.Module):
         if self.mixed:  # the optimizer reads an fp32 gradient, only for the length of the step
             for unit in self.units:
                 unit.master.grad = None if unit.grad_shard is None else unit.grad_shard.float()
+        # what the step must not change: the parts of shards whose parameter no rank used
+        self._kept = [fsdp_units.keep_untouched(u, self.optimizer.state.get(u.master, {})) for u in self.units]
 
     @torch.no_grad()
     def _after_step(self) -> None:
+        for unit, kept in zip(self.units, self._kept):
+            fsdp_units.put_back(unit, kept, self.optimizer.state[unit.master])
+        self._kept = []
         if self.mixed:
             for unit in self.units:
                 unit.master.grad = None
@@ -472,6 +374,48 @@ class FullyShardedDataParallel(nn.Module):
                 out[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return {name: out[name] for name in self.param_names}
 
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of every parameter wrapped, in the plain model's order."""
+        shapes = {slot.name: tuple(slot.shape) for unit in self.units for slot in unit.plan.slots}
+        return {name: shapes[name] for name in self.param_names}
+
+    def local_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[LocalPiece]:
+        """What this rank holds of each parameter: the elements its shards cover (no padding), their
+        fp32 values and the optimizer's per-element state, copied to the CPU. Sends nothing.
+        ``optimizer``: the attached one by default."""
+        optimizer = optimizer or self.optimizer
+        pieces = []
+        for unit in self.units:
+            state = optimizer.state.get(unit.master, {}) if optimizer is not None else {}
+            pieces += fsdp_units.shard_pieces(unit, self._shard_range(unit), state)
+        return pieces
+
+    @torch.no_grad()
+    def load_local_pieces(self, pieces: list[LocalPiece], optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Set what this rank holds from pieces of the parameters, cut any way (whole tensors, or the
+        ``local_pieces`` of a run on another world size). They must cover this rank's shards; under
+        ZeRO-1/2, which hold the full parameters, every parameter's values whole (so nothing is sent).
+        Copies only: bit for bit. Pieces that carry optimizer state set it, at their step."""
+        optimizer = optimizer or self.optimizer
+        by_name = fsdp_units.pieces_by_name(pieces, self.param_names)
+        for unit in self.units:
+            mine, device = self._shard_range(unit), unit.master.device
+            state = fsdp_units.assemble_state(unit, by_name, mine)  # {} when the pieces carry none
+            if state and optimizer is None:
+                raise ValueError("the pieces carry optimizer state, and no optimizer is attached to take it")
+            if self.zero < 3:  # (P,): the full parameters, padding zero; the master shard is a view of them
+                flat = fsdp_units.assemble(unit, by_name, "param", range(unit.padded)).to(device)
+                unit.full.copy_(flat)
+                if self.mixed:
+                    unit.master.copy_(flat[mine.start:mine.stop])
+            else:
+                unit.master.copy_(fsdp_units.assemble(unit, by_name, "param", mine).to(device))
+                if self.mixed:
+                    unit.shard.copy_(unit.master)
+            if state:
+                optimizer.state[unit.master] = {k: v if k == "step" else v.to(device) for k, v in state.items()}
+
     def held_bytes(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes this rank holds, counted from the tensors (each
         storage once), in the ZeRO paper's split: in mixed precision the fp32 master shard is
@@ -483,25 +427,17 @@ class FullyShardedDataParallel(nn.Module):
         if self.optimizer is not None:
             for s in self.optimizer.state.values():
                 state.extend(v for v in s.values() if isinstance(v, torch.Tensor))
-        return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
-                "optimizer": _storage_bytes(state)}
+        return {"params": storage_bytes(params), "grads": storage_bytes(grads),
+                "optimizer": storage_bytes(state)}
 
     def unit_numels(self) -> list[int]:
         return [u.plan.numel for u in self.units]
 
 
+def _mark_used(used: list[bool], i: int, grad: torch.Tensor) -> None:
+    used[i] = True
+
+
 def _device_of(plan: UnitPlan) -> torch.device:
     slot = plan.slots[0]
     return getattr(slot.owner, slot.attr).device
-
-
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total

@@ -8,18 +8,25 @@ notebook cell shows the same text every time.
 
 Why the machinery:
 
+* Every argument is checked in the parent before any process starts, the number of processes
+  included: each rank costs about ``RANK_MEMORY_BYTES``, so more than the available memory holds is
+  refused (``max_procs=`` or ``MINITP_MAX_PROCS`` lifts the cap).
 * A function defined in a notebook cell or a script's ``__main__`` cannot be imported by a new
   process, so it is shipped by value with cloudpickle. On Linux the processes are forked (about
   1.5 s for 8 ranks, against 11-14 s to spawn 8 fresh interpreters that each import torch); each
   forces one torch thread first, since a forked child hangs in a thread pool its parent started.
 * Ranks meet through a file in a fresh temporary folder (no port to pick, none to collide); the
-  backend then connects them over 127.0.0.1.
+  backend then connects them over the loopback interface only, so nothing listens on the network.
 * A rank that raises ends the run at once: the parent kills every other rank and raises
-  ``RankError`` carrying that rank's traceback. A run past ``timeout`` is killed too, and
-  ``LaunchTimeout`` shows where each unfinished rank was stuck. No process outlives the call:
-  children are killed on any exit, and on Linux die with their parent.
+  ``RankError`` carrying that rank's traceback. A rank that dies without a result (a signal, the
+  out-of-memory killer) is the cause over the survivors' "connection closed" errors. A run past
+  ``timeout`` is killed too, and ``LaunchTimeout`` shows where each unfinished rank was stuck.
+* No process or folder outlives the call: children are killed on any exit and die with their
+  parent (Linux); a SIGTERM to the parent ends them and removes the folder first; a folder left
+  by a parent killed outright (its pid is in the name) is removed by the next launch.
 * Under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR set) nothing is started: every process runs
-  ``fn`` itself and gets the same ``Results`` back, so worker code runs unchanged.
+  ``fn`` itself and gets the same ``Results`` back, so worker code runs unchanged. The addresses
+  are torchrun's (the user's choice); ``timeout`` still holds, enforced by a watchdog thread.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -38,10 +46,11 @@ from datetime import timedelta
 
 import cloudpickle
 
+from minitp import launch_guard as guard
 from minitp import trace as _trace
+from minitp.launch_guard import BACKENDS, RANK_MEMORY_BYTES, check_launch, under_torchrun  # noqa: F401
 
-BACKENDS = ("gloo", "nccl")
-_WORKER_ENV = "MINITP_WORKER"
+_GRACE_S = 0.5  # after a rank raises, how long to watch for a rank that died (the likelier cause)
 
 
 class LaunchError(RuntimeError):
@@ -85,12 +94,6 @@ class Results(list):
         return _trace.sent_bytes_per_rank(self.traces, label_prefix)
 
 
-def under_torchrun() -> bool:
-    """True inside a process started by torchrun (or any env:// launcher), not by ``launch``."""
-    env = os.environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) and _WORKER_ENV not in env
-
-
 def device():
     """The device this rank computes on: ``cuda:LOCAL_RANK`` under NCCL, else the CPU."""
     import torch
@@ -102,38 +105,34 @@ def device():
 
 
 def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float = 120.0,
-           start_method: str | None = None, echo: bool = True) -> Results:
+           start_method: str | None = None, echo: bool = True, max_procs: int | None = None) -> Results:
     """Run ``fn(*args)`` on ``nprocs`` processes in one process group; return per-rank results.
 
     backend: "gloo" (CPU) or "nccl" (one GPU per rank, ``cuda:LOCAL_RANK``).
-    timeout: seconds for the whole run, start-up included.
+    timeout: seconds for the whole run, start-up included (under torchrun too).
     start_method: "fork" (the default on Linux), "spawn" or "forkserver".
     echo: print each rank's output (grouped by rank, in rank order) when the run ends.
+    max_procs: the most processes allowed (default: ``MINITP_MAX_PROCS``, else what memory holds).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if not callable(fn):
+        raise ValueError(f"fn must be a callable to run on every rank, got {type(fn).__name__} {fn!r:.80}")
+    if not isinstance(echo, bool):
+        raise ValueError(f"echo must be True or False, got {echo!r}")
+    check_launch(nprocs, backend=backend, timeout=timeout, start_method=start_method, max_procs=max_procs)
     if under_torchrun():
-        return _launch_in_place(fn, nprocs, args, backend)
-    if _WORKER_ENV in os.environ:
+        return _launch_in_place(fn, nprocs, args, backend, timeout)
+    if guard.WORKER_ENV in os.environ:
         raise LaunchError("launch() was called inside a launched rank; launch from the parent process")
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-        raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
-    if timeout is None or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if backend == "nccl":
-        import torch
-
-        if torch.cuda.device_count() < nprocs:
-            raise ValueError(f"backend='nccl' needs one GPU per rank: nprocs={nprocs}, "
-                             f"GPUs visible={torch.cuda.device_count()}")
     import multiprocessing as mp
 
     method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
     ctx = mp.get_context(method)
     payload = cloudpickle.dumps((fn, args))
-    workdir = tempfile.mkdtemp(prefix="minitp-")
+    guard.remove_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=f"minitp-{os.getpid()}-")
     t0 = time.perf_counter()
     procs = []
+    restore_sigterm = _clean_up_on_sigterm(procs, workdir)
     try:
         with warnings.catch_warnings():
             # Python >= 3.12 warns on forking a threaded process (a Jupyter kernel always is). The
@@ -160,6 +159,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
     finally:
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+        restore_sigterm()
 
 
 # -- parent side -----------------------------------------------------------------------------------
@@ -167,10 +167,12 @@ def _wait(procs, workdir: str, timeout: float, t0: float) -> list[dict]:
     """Poll until every rank has finished, one has failed, or time is up."""
     n = len(procs)
     results: dict[int, dict] = {}
+    raised: dict[int, tuple[float, str]] = {}  # rank -> (when it raised, its traceback)
+    died: dict[int, tuple[float, int]] = {}  # rank -> (when the parent noticed, exit code)
+    first_failure = None
     while True:
-        failures = []
         for rank, p in enumerate(procs):
-            if rank in results:
+            if rank in results or rank in raised or rank in died:
                 continue
             path = os.path.join(workdir, f"rank{rank}.result")
             exitcode = p.exitcode  # read before the file: a rank writes its result, then exits
@@ -180,16 +182,17 @@ def _wait(procs, workdir: str, timeout: float, t0: float) -> list[dict]:
                 if result["status"] == "ok":
                     results[rank] = result
                 else:
-                    failures.append((result["time"], rank, result["traceback"]))
+                    raised[rank] = (result["time"], result["traceback"])
             elif exitcode is not None:  # died without writing a result
-                failures.append((time.time(), rank, _death_note(exitcode, workdir, rank)))
-        if failures:
-            # The first rank to fail is the cause; the others usually fail because it left.
-            _, rank, tb = min(failures)
-            _stop(procs)
-            first = tb.strip().splitlines()[-1] if tb.strip() else "failed"
-            raise RankError(f"rank {rank} of {n} failed: {first}\n\n"
-                            f"Traceback from rank {rank}:\n{tb}", rank, tb)
+                died[rank] = (time.time(), exitcode)
+        if raised or died:
+            # A dead rank is noticed late (after its peers' "connection closed" errors), so a
+            # death is the cause whenever there is one; after a raise, wait briefly for a death.
+            first_failure = first_failure or time.perf_counter()
+            settled = len(results) + len(raised) + len(died) == n
+            if died or settled or time.perf_counter() - first_failure > _GRACE_S:
+                _stop(procs)
+                raise _rank_error(workdir, n, raised, died)
         if len(results) == n:
             for p in procs:
                 p.join(timeout=5)
@@ -209,16 +212,48 @@ def _wait(procs, workdir: str, timeout: float, t0: float) -> list[dict]:
         time.sleep(0.01)
 
 
-def _death_note(exitcode: int, workdir: str, rank: int) -> str:
-    if exitcode < 0:
-        try:
-            what = f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            what = f"signal {-exitcode}"
+def _rank_error(workdir: str, n: int, raised: dict, died: dict) -> RankError:
+    """The cause: the first rank to die without a result, else the first to raise (ties: lowest rank)."""
+    def last_line(tb: str) -> str:
+        return tb.strip().splitlines()[-1] if tb.strip() else "failed"
+
+    if died:
+        rank = min(died, key=lambda r: (died[r][0], r))
+        headline = _death_note(rank, died[rank][1])
+        err = _tail(os.path.join(workdir, f"rank{rank}.err"), 10**6)
+        crash = err.rfind("Fatal Python error")  # faulthandler's stack, innermost call first: keep its head
+        err = err[crash:crash + 3000] if crash >= 0 else err[-3000:]
+        tb = f"{headline}\n{err}"
+        body = f"What rank {rank} printed to stderr last:\n{err or '(nothing)'}"
     else:
-        what = f"exit code {exitcode}"
-    err = _tail(os.path.join(workdir, f"rank{rank}.err"))
-    return f"rank {rank} died with {what} before returning.\n{err}\nRankDied: {what}"
+        rank = min(raised, key=lambda r: (raised[r][0], r))
+        tb = raised[rank][1]
+        headline = f"rank {rank} of {n} failed: {last_line(tb)}"
+        body = f"Traceback from rank {rank}:\n{tb}"
+    after = [f"rank {r}: {last_line(raised[r][1])}" if r in raised else _death_note(r, died[r][1])
+             for r in sorted((set(raised) | set(died)) - {rank})]
+    also = f"\n(then, likely because it left: {'; '.join(after)})" if after else ""
+    return RankError(f"{headline}{also}\n\n{body}", rank, tb)
+
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "likely out of memory: the kernel's out-of-memory killer sends SIGKILL (as does kill -9)",
+    "SIGSEGV": "a crash in native code", "SIGBUS": "a crash in native code",
+    "SIGABRT": "native code called abort()", "SIGTERM": "ended from outside", "SIGINT": "interrupted",
+}
+
+
+def _death_note(rank: int, exitcode: int) -> str:
+    """'rank 2 was killed by SIGKILL (signal 9), likely out of memory: ...' or '... died with exit code 3'."""
+    if exitcode >= 0:
+        return f"rank {rank} died with exit code {exitcode} before returning a result"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "an unknown signal"
+    hint = _SIGNAL_HINTS.get(name)
+    return f"rank {rank} was killed by {name} (signal {-exitcode}) before returning a result" + (
+        f", {hint}" if hint else "")
 
 
 def _dump_stacks(procs, workdir: str, ranks: set[int]) -> dict[int, str]:
@@ -243,6 +278,33 @@ def _stop(procs) -> None:
             p.kill()
     for p in procs:
         p.join(timeout=5)
+
+
+def _clean_up_on_sigterm(procs: list, workdir: str):
+    """Until the returned function is called, SIGTERM to the parent first ends the ranks and removes
+    ``workdir``, then does what it did before (by default: ends the parent, killed by SIGTERM)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread may set a signal handler
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        return lambda: None
+    before = previous if previous is not None else signal.SIG_DFL  # None: set outside Python
+
+    def on_sigterm(signum, frame):
+        _stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, before)
+        if callable(before):
+            before(signum, frame)
+            raise LaunchError("launch was stopped by SIGTERM; its ranks were ended")
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action, now that the handler is gone
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    def restore():
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, before)
+    return restore
 
 
 def _tail(path: str, limit: int = 3000) -> str:
@@ -297,8 +359,11 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     faulthandler.enable(file=sys.stderr)
-    os.environ.update({_WORKER_ENV: "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's clean-up handler
+    os.environ.update({guard.WORKER_ENV: "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1"})
+    guard.listen_on_loopback()
     status, value, tb, tr = "ok", None, "", None
     try:
         import torch
@@ -344,27 +409,35 @@ class _Ran:
     trace: _trace.Trace
 
 
-def _launch_in_place(fn, nprocs, args, backend: str) -> Results:
+def _launch_in_place(fn, nprocs, args, backend: str, timeout: float) -> Results:
+    """Run ``fn`` in this process, one rank of torchrun's world; nobody above us enforces the timeout,
+    so a watchdog thread does."""
     import torch
     import torch.distributed as dist
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if nprocs not in (None, world):
-        raise ValueError(f"launch(nprocs={nprocs}) under torchrun, whose WORLD_SIZE is {world}; "
-                         f"pass nprocs={world} or None")
     t0 = time.perf_counter()
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group(backend)
-    with _trace.recording(rank) as tr:
-        value = fn(*args)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, _Ran(value, tr))
-    if owns_group:  # a process group left to interpreter exit can abort the process
-        dist.barrier()
-        dist.destroy_process_group()
+    watchdog = guard.start_watchdog(timeout, f"rank {rank} of {world}")
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')}"
+            try:
+                dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            except Exception as e:
+                raise LaunchError(f"rank {rank} of {world} could not join the process group at {where} "
+                                  f"within timeout={timeout:g} s: {e}") from e
+        with _trace.recording(rank) as tr:
+            value = fn(*args)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, _Ran(value, tr))
+        if owns_group:  # a process group left to interpreter exit can abort the process
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        watchdog()
     return Results([r.value for r in everyone], [r.trace for r in everyone],
                    [""] * world, [""] * world, time.perf_counter() - t0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 
-def _unique_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once (views and shards that share
+    one are not counted twice); None and non-tensors are skipped."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
@@ -29,7 +31,7 @@ def held_bytes(params, optimizer: torch.optim.Optimizer | None = None) -> dict[s
         for s in optimizer.state.values():
             state.extend(v for v in s.values() if isinstance(v, torch.Tensor))
     return {
-        "params": _unique_bytes(params),
-        "grads": _unique_bytes(p.grad for p in params),
-        "optimizer": _unique_bytes(state),
+        "params": storage_bytes(params),
+        "grads": storage_bytes(p.grad for p in params),
+        "optimizer": storage_bytes(state),
     }

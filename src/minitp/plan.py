@@ -20,22 +20,10 @@ a machine (``gpus_per_node``), pp is at most the number of blocks and the batch 
 from __future__ import annotations
 
 from minitp import cost
-from minitp.mesh import check_zero
+from minitp.layout import check_3d_layout, check_zero, layouts
 from minitp.models import ModelConfig
 
 GIB = 2**30
-
-
-def layouts(world_size: int) -> list[tuple[int, int, int]]:
-    """Every (dp, pp, tp) whose product is ``world_size``."""
-    out = []
-    for tp in range(1, world_size + 1):
-        if world_size % tp:
-            continue
-        for pp in range(1, world_size // tp + 1):
-            if (world_size // tp) % pp == 0:
-                out.append((world_size // (tp * pp), pp, tp))
-    return out
 
 
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
@@ -43,7 +31,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
                 micro_batch: int = 1, flash_attention: bool = True, recompute: bool = False) -> dict:
     """Memory per GPU and bytes per step of one layout (the worst stage of each), from ``minitp.cost``.
     Raises ``ValueError`` for a layout the model or the batch cannot take."""
-    cost.check_3d_layout(cfg, dp, pp, tp)
+    check_3d_layout(cfg, dp, pp, tp)
     if batch_size % (dp * micro_batch):
         raise ValueError(f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
                          f"of {micro_batch}")

@@ -33,13 +33,15 @@ The loss is the mean over the whole global batch: each micro-batch's mean loss /
 up over the micro-batches in ``.grad`` (autograd accumulates), so after the step they are the full
 batch's gradient, as on one process.
 
-Top to bottom: stage_blocks, PipelineStage, the schedules, simulate, bubble_fraction, Pipeline.
+Top to bottom: PipelineStage (the pieces a rank holds; ``minitp.layout.stage_blocks`` says which),
+StageSpec (what the loop knows of a stage), the schedules, simulate, bubble_fraction, Pipeline.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -47,37 +49,25 @@ import torch.nn as nn
 
 from minitp import comm
 from minitp import trace as _trace
+from minitp.layout import stage_blocks
+from minitp.models import Transformer
 from minitp.models import loss_fn as _loss_fn
-
-
-def stage_blocks(n_layers: int, num_stages: int) -> list[range]:
-    """Which blocks each stage holds: consecutive, as even as possible, the spare ones to the first
-    stages (the last one already carries the output layer and the loss)."""
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"the number of stages must be an integer >= 1, got {num_stages!r}")
-    if num_stages > n_layers:
-        raise ValueError(f"pp={num_stages} stages but the model has {n_layers} blocks: every stage "
-                         f"needs at least one block")
-    size, spare = divmod(n_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        end = start + size + (s < spare)
-        out.append(range(start, end))
-        start = end
-    return out
 
 
 class PipelineStage(nn.Module):
     """The pieces of a plain ``Transformer`` that stage ``stage`` of ``num_stages`` holds, under the
     plain model's names (``layers.2.attention.wq.weight``), so its state dict is a slice of the
-    plain model's. The modules are shared with ``model``, not copied."""
+    plain model's. The modules are shared with ``model``, not copied, and the rest of the model is
+    not kept: a rank holds its stage only."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int):
+    run_blocks = Transformer.run_blocks  # the model's own loop, over the blocks this stage holds
+
+    def __init__(self, model: Transformer, stage: int, num_stages: int):
         super().__init__()
         blocks = stage_blocks(len(model.layers), num_stages)[stage]
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.dim = model.config.dim
+        self.config = model.config
         self.tok_embeddings = model.tok_embeddings if self.is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in blocks})
         self.norm = model.norm if self.is_last else None
@@ -87,14 +77,60 @@ class PipelineStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # first stage: tokens (b, S); any other: the previous stage's output (b, S, D)
-        S = x.shape[1]
-        if S > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence of {S} positions is past max_seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         h = self.tok_embeddings(x) if self.is_first else x  # (b, S, D)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        h = self.run_blocks(h)
         return self.output(self.norm(h)) if self.is_last else h  # last: logits (b, S, V); else (b, S, D)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What the loop of ``Pipeline`` knows of this rank's stage, said explicitly: its place, the
+    pieces it holds, the call that runs one micro-batch forward, and what crosses its boundaries.
+
+    ``forward`` is the pieces themselves or whatever wraps them (``Parallel3D`` passes its FSDP or
+    DDP wrapper): the loop only calls it, so a wrapper needs to know nothing of pipelines.
+
+    Why the receiver works its buffers out instead of being told: a receive is posted before its
+    message arrives, so its shape, dtype and device must be known in advance. Both messages of a
+    boundary are (b, S, D), the activation going forward and its gradient coming back; b and S come
+    from the batch every rank is given, D from the model's config, and all stages of one model
+    compute in one dtype (``dtype``: their parameters', or a wrapper's compute dtype), each on its
+    own device. A header sent ahead (shape, dtype) would say the same in one more message per
+    boundary, which the traces and ``minitp.cost`` would then have to count.
+    """
+
+    index: int
+    num_stages: int
+    # the pieces: embedding on the first stage, its blocks, norm + output on the last
+    module: nn.Module = field(repr=False)
+    # one micro-batch forward: (b, S) tokens or (b, S, D) -> (b, S, D); on the last stage -> (b, S, V)
+    forward: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
+    dim: int  # D of the (b, S, D) messages
+    dtype: torch.dtype  # of the activations sent forward and of the gradients sent back
+    device: torch.device  # where the stage computes and its messages land
+
+    @classmethod
+    def of(cls, module: PipelineStage, forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StageSpec:
+        """Describe ``module``'s stage: dtype and device from its parameters (read them before a
+        wrapper such as FSDP takes the parameters over), D from the model's config."""
+        param = next(module.parameters(), None)
+        if param is None:
+            raise ValueError(f"stage {module.stage} holds no parameter to read a dtype and device from; "
+                             "describe the stage before wrapping it")
+        return cls(module.stage, module.num_stages, module, forward or module, module.config.dim,
+                   param.dtype, param.device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def boundary_buffer(self, b: int, S: int) -> torch.Tensor:
+        """An empty (b, S, D) tensor for one message across a boundary of this stage."""
+        return torch.empty((b, S, self.dim), dtype=self.dtype, device=self.device)
 
 
 def split_microbatches(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
@@ -229,14 +265,27 @@ class StepRecord(NamedTuple):
 class Pipeline:
     """This rank's stage of a pipeline over ``group`` (the world when None), and the loop that runs
     a schedule on it. The stage is the rank's place in the group; messages go to the neighbours'
-    global ranks. ``recv_ahead``: how many actions past the current one have their receives posted
-    (a receive buffer is (b, S, D), small beside the activations a micro-batch keeps for backward)."""
+    global ranks.
 
-    def __init__(self, model: nn.Module, group=None, schedule: str = "1f1b", microbatches: int = 4,
+    model: the plain ``Transformer`` (this rank cuts its ``PipelineStage`` out of it), or a
+        ``StageSpec`` already made, whose ``forward`` may run through a wrapper (``Parallel3D``).
+    recv_ahead: how many actions past the current one have their receives posted (a receive
+        buffer is (b, S, D), small beside the activations a micro-batch keeps for backward).
+    """
+
+    def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b", microbatches: int = 4,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int = 2):
+        comm.name_group(group, "pp", unless_named=True)  # its messages' Event.dim
         ranks = comm.group_ranks(group)
         self.num_stages, self.stage = len(ranks), comm.group_rank(group)
-        self.module = PipelineStage(model, self.stage, self.num_stages)
+        if isinstance(model, StageSpec):
+            if (model.index, model.num_stages) != (self.stage, self.num_stages):
+                raise ValueError(f"the stage given is stage {model.index} of {model.num_stages}, but this rank "
+                                 f"is stage {self.stage} of the {self.num_stages} ranks of its pipeline group")
+            self.spec = model
+        else:
+            self.spec = StageSpec.of(PipelineStage(model, self.stage, self.num_stages))
+        self.module = self.spec.module  # the pieces this rank holds
         self.schedule_name, self.microbatches = schedule, microbatches
         self.actions = make_schedule(schedule, self.num_stages, microbatches)[self.stage]
         self.group, self.loss, self.recv_ahead = group, loss, recv_ahead
@@ -253,7 +302,8 @@ class Pipeline:
         """Run this stage's schedule over the micro-batches of one global batch; gradients are
         added into ``.grad`` (zero them before, step the optimizer after). Every rank passes the
         same (B, S) tokens and targets: the first stage reads the tokens, the last the targets."""
-        m = self.microbatches
+        m, stage = self.microbatches, self.spec
+        tokens, targets = tokens.to(stage.device), targets.to(stage.device)
         xs, ys = split_microbatches(tokens, m), split_microbatches(targets, m)
         b, S = xs[0].shape  # micro-batch (b, S), b = B/m
         receives = self._receives(b, S)
@@ -266,25 +316,25 @@ class Pipeline:
             for k in range(j, min(j + 1 + self.recv_ahead, len(self.actions))):
                 receives.post(k)
             if a.kind == "F":
-                x = xs[i] if self.module.is_first else receives.take(j).requires_grad_()  # (b, S) or (b, S, D)
+                x = xs[i] if stage.is_first else receives.take(j).requires_grad_()  # (b, S) or (b, S, D)
                 start = time.perf_counter()
-                y = self.module(x)
-                if self.module.is_last:
+                y = stage.forward(x)
+                if stage.is_last:
                     y = self.loss(y, ys[i]) / m  # this micro-batch's share of the global mean
                     total += y.item()
                 end = time.perf_counter()
                 inputs[i], outputs[i] = x, y
-                if not self.module.is_last:
+                if not stage.is_last:
                     out = y.detach()  # kept alive until the send is waited on
                     sends.append((comm.isend(out, self.next_rank, self.group, label=f"pp/forward/mb{i}"), out))
                 peak = max(peak, len(outputs))
             else:
                 x, y = inputs.pop(i), outputs.pop(i)
-                grad = None if self.module.is_last else receives.take(j)  # (b, S, D): d loss / d our output
+                grad = None if stage.is_last else receives.take(j)  # (b, S, D): d loss / d our output
                 start = time.perf_counter()
                 torch.autograd.backward(y, grad)  # adds into every parameter's .grad
                 end = time.perf_counter()
-                if not self.module.is_first:
+                if not stage.is_first:
                     sends.append((comm.isend(x.grad, self.prev_rank, self.group, label=f"pp/backward/mb{i}"),
                                   x.grad))
             timeline.append((a, start, end))
@@ -293,31 +343,32 @@ class Pipeline:
                                     tr.label(f"mb{i}"), start, end))
         for handle, _ in sends:
             handle.wait()
-        return StepRecord(total if self.module.is_last else None, timeline, peak)
+        return StepRecord(total if stage.is_last else None, timeline, peak)
 
     def _receives(self, b: int, S: int) -> _Receives:
         """The messages this stage's actions wait for: action j's, if any, from the neighbour."""
         wanted = {}
         for j, a in enumerate(self.actions):
-            if a.kind == "F" and not self.module.is_first:
+            if a.kind == "F" and not self.spec.is_first:
                 wanted[j] = (self.prev_rank, f"pp/forward/mb{a.microbatch}")
-            elif a.kind == "B" and not self.module.is_last:
+            elif a.kind == "B" and not self.spec.is_last:
                 wanted[j] = (self.next_rank, f"pp/backward/mb{a.microbatch}")
-        return _Receives(wanted, (b, S, self.module.dim), self.group)
+        return _Receives(wanted, lambda: self.spec.boundary_buffer(b, S), self.group)
 
 
 class _Receives:
     """Receives posted ahead of need (``irecv``), so that a neighbour's send finds its buffer ready
-    and lands while this rank still computes; ``take`` waits for one and hands its tensor over."""
+    and lands while this rank still computes; ``take`` waits for one and hands its tensor over.
+    ``new_buffer`` makes an empty tensor of the message's shape, dtype and device."""
 
-    def __init__(self, wanted: dict[int, tuple[int, str]], shape: tuple[int, ...], group):
-        self.wanted, self.shape, self.group = wanted, shape, group
+    def __init__(self, wanted: dict[int, tuple[int, str]], new_buffer: Callable[[], torch.Tensor], group):
+        self.wanted, self.new_buffer, self.group = wanted, new_buffer, group
         self.posted: dict[int, tuple[comm.Handle, torch.Tensor]] = {}
 
     def post(self, j: int) -> None:
         if j in self.wanted and j not in self.posted:
             src, label = self.wanted[j]
-            buffer = torch.empty(self.shape)
+            buffer = self.new_buffer()  # (b, S, D)
             self.posted[j] = (comm.irecv(buffer, src, self.group, label=label), buffer)
 
     def take(self, j: int) -> torch.Tensor:

@@ -39,18 +39,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minitp import comm
-from minitp.models.llama import Attention, FeedForward, KVCache, ModelConfig, RMSNorm, Transformer
-
-
-def _check_divisible(what: str, size: int, tp: int, why: str = "") -> None:
-    if size % tp:
-        raise ValueError(f"{what}={size} is not divisible by tp={tp}{why}")
+from minitp.layout import KV_HEADS_WHY, check_divisible, check_tp_config, check_vocab, shard_range
+from minitp.models.llama import Attention, FeedForward, KVCache, RMSNorm, Transformer, rms_norm
+from minitp.models.llama import generate as _generate
 
 
 def _slice(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """This rank's contiguous slice of ``t`` along ``dim`` (a copy, detached)."""
-    tp, rank = comm.group_size(group), comm.group_rank(group)
-    return t.detach().chunk(tp, dim=dim)[rank].clone()
+    """This rank's contiguous slice of ``t`` along ``dim`` (a copy, detached); tp divides that dim."""
+    mine = shard_range(t.shape[dim], comm.group_size(group), comm.group_rank(group))
+    return t.detach().narrow(dim, mine.start, len(mine)).clone()
 
 
 # -- entering and leaving a tensor-parallel region ------------------------------------------------------
@@ -100,8 +97,9 @@ class ColumnParallelLinear(nn.Module):
                  enter: bool = True, sequence_parallel: bool = False, label: str = "tp"):
         super().__init__()
         tp = comm.group_size(tp_group)
-        _check_divisible("out_features", linear.out_features, tp)
+        check_divisible("out_features", linear.out_features, "tp", tp)
         self.tp_group, self.gather_output, self.enter = tp_group, gather_output, enter
+        comm.name_group(tp_group, "tp", unless_named=True)  # its messages' Event.dim
         self.sequence_parallel, self.label = sequence_parallel, label
         self.in_features, self.out_features = linear.in_features, linear.out_features // tp
         self.weight = nn.Parameter(_slice(linear.weight, 0, tp_group))  # (out/tp, in)
@@ -140,8 +138,9 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, label: str = "tp"):
         super().__init__()
         tp = comm.group_size(tp_group)
-        _check_divisible("in_features", linear.in_features, tp)
+        check_divisible("in_features", linear.in_features, "tp", tp)
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        comm.name_group(tp_group, "tp", unless_named=True)  # its messages' Event.dim
         self.sequence_parallel, self.label = sequence_parallel, label
         self.in_features, self.out_features = linear.in_features // tp, linear.out_features
         self.weight = nn.Parameter(_slice(linear.weight, 1, tp_group))  # (out, in/tp)
@@ -202,9 +201,8 @@ class ParallelAttention(Attention):
                  sequence_parallel: bool = False, label: str = "tp"):
         nn.Module.__init__(self)  # built from a layer, not a config: Attention.__init__ would allocate full weights
         tp = comm.group_size(tp_group)
-        _check_divisible("n_heads", attention.n_heads, tp)
-        _check_divisible("n_kv_heads", attention.n_kv_heads, tp,
-                         ": minitp splits key/value heads and refuses to replicate them")
+        check_divisible("n_heads", attention.n_heads, "tp", tp)
+        check_divisible("n_kv_heads", attention.n_kv_heads, "tp", tp, KV_HEADS_WHY)
         self.tp_group, self.sequence_parallel, self.label = tp_group, sequence_parallel, label
         self.n_heads, self.n_kv_heads = attention.n_heads // tp, attention.n_kv_heads // tp  # on this rank
         self.head_dim = attention.head_dim
@@ -234,10 +232,11 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False, label: str = "tp"):
         super().__init__()
         tp = comm.group_size(tp_group)
-        _check_vocab(embedding.num_embeddings, tp)
+        check_vocab(embedding.num_embeddings, tp)
         self.tp_group, self.sequence_parallel, self.label = tp_group, sequence_parallel, label
-        self.num_embeddings = embedding.num_embeddings // tp  # on this rank
-        self.vocab_start = comm.group_rank(tp_group) * self.num_embeddings
+        comm.name_group(tp_group, "tp", unless_named=True)  # its messages' Event.dim
+        tokens = shard_range(embedding.num_embeddings, tp, comm.group_rank(tp_group))  # this rank's V/tp
+        self.vocab_start, self.num_embeddings = tokens.start, len(tokens)
         self.weight = nn.Parameter(_slice(embedding.weight, 0, tp_group))  # (V/tp, D)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -246,13 +245,6 @@ class VocabParallelEmbedding(nn.Module):
         h = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)  # (B, S, D)
         h = h.masked_fill(~mine.unsqueeze(-1), 0.0)  # zeros where another rank holds the token
         return leave_parallel_region(h, self.tp_group, self.sequence_parallel, self.label)  # (B, S or S/tp, D)
-
-
-def _check_vocab(vocab_size: int, tp: int) -> None:
-    if vocab_size % tp:
-        padded = -(-vocab_size // tp) * tp
-        raise ValueError(f"vocab_size={vocab_size} is not divisible by tp={tp}; minitp refuses rather than "
-                         f"pads: build the model with vocab_size={padded} (the next multiple of {tp})")
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -282,7 +274,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted, log_sum_exp, local, mine = ctx.saved_tensors
         scale = grad / shifted.shape[0]
         grad_logits = (shifted - log_sum_exp[:, None]).exp() * scale  # softmax, this rank's slice
-        rows = torch.arange(len(local))[mine]
+        rows = torch.arange(len(local), device=local.device)[mine]
         grad_logits[rows, local[mine]] -= scale  # minus the one-hot target, where this rank holds it
         return grad_logits, None, None, None
 
@@ -310,23 +302,15 @@ class SequenceParallelRMSNorm(nn.Module):
     def __init__(self, norm: RMSNorm, tp_group: dist.ProcessGroup | None, label: str = "tp"):
         super().__init__()
         self.tp_group, self.label, self.eps = tp_group, label, norm.eps
+        comm.name_group(tp_group, "tp", unless_named=True)  # its messages' Event.dim
         self.weight = nn.Parameter(norm.weight.detach().clone())  # (D,) replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # x: (B, S/tp, D)
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
-        return normed * comm.copy_to_parallel(self.weight, self.tp_group, label=self.label + "/weight")
+        weight = comm.copy_to_parallel(self.weight, self.tp_group, label=self.label + "/weight")
+        return rms_norm(x, weight, self.eps)  # x: (B, S/tp, D)
 
 
 # -- a whole model ------------------------------------------------------------------------------------
-def check_config(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a model that does not split over ``tp`` ranks, naming its numbers."""
-    _check_divisible("n_heads", cfg.n_heads, tp)
-    _check_divisible("n_kv_heads", cfg.kv_heads, tp, ": minitp splits key/value heads and refuses to replicate them")
-    _check_divisible("ffn_hidden", cfg.ffn_hidden, tp)
-    _check_vocab(cfg.vocab_size, tp)
-
-
 def parallelize(model: Transformer, tp_group: dist.ProcessGroup | None,
                 sequence_parallel: bool = False) -> Transformer:
     """Turn a plain ``Transformer`` (the same weights on every rank) into its tensor-parallel form,
@@ -336,7 +320,7 @@ def parallelize(model: Transformer, tp_group: dist.ProcessGroup | None,
     ``vocab_parallel_cross_entropy``); each block's attention splits its heads and its MLP its
     hidden units. The norms are replicated, or split along the sequence with ``sequence_parallel``.
     """
-    check_config(model.config, comm.group_size(tp_group))  # before anything is changed
+    check_tp_config(model.config, comm.group_size(tp_group))  # before anything is changed
     sp = sequence_parallel
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group, sp, label="tp/tok_embeddings")
     for i, block in enumerate(model.layers):
@@ -388,7 +372,6 @@ def generate(model: Transformer, prompt: torch.Tensor, new_tokens: int,
     ``caches``: one empty ``KVCache`` per layer to fill (to look at afterwards); fresh ones if None.
     """
     rank = comm.group_rank(tp_group)
-    caches = [KVCache() for _ in range(model.config.n_layers)] if caches is None else caches
 
     def next_token(logits: torch.Tensor) -> torch.Tensor:
         best, index = logits[:, -1].double().max(dim=-1)  # (B,) over this rank's V/tp tokens
@@ -398,10 +381,4 @@ def generate(model: Transformer, prompt: torch.Tensor, new_tokens: int,
         winner = pairs[..., 0].argmax(dim=1)  # the first largest: the lowest rank, so the lowest token
         return pairs[torch.arange(len(pairs)), winner, 1].long()[:, None]  # (B, 1)
 
-    logits = model(prompt, start_pos=0, caches=caches)  # (B, P, V/tp)
-    out = [prompt]
-    for step in range(new_tokens):
-        out.append(next_token(logits))
-        if step + 1 < new_tokens:
-            logits = model(out[-1], start_pos=prompt.shape[1] + step, caches=caches)
-    return torch.cat(out, dim=1)
+    return _generate(model, prompt, new_tokens, next_token, caches)  # logits (B, S, V/tp) at each step

@@ -5,6 +5,10 @@ Every message in minitp goes through ``minitp.comm``, and every ``comm`` call ap
 A trace is plain data: it pickles, it goes back to the parent with the rank's result, and the
 figures in ``minitp.viz`` are drawn from it.
 
+Each message also knows the mesh dimension it went through (``Event.dim``: "dp", "fsdp", "tp",
+"pp"; "" for a group nobody named), taken from its process group (``minitp.comm.name_group``),
+so traffic is split by dimension with ``totals(events, by=("dim",))`` or ``sent_bytes_by_dim``.
+
 Two byte counts are kept per message (see ``minitp.cost`` for the formulas):
 
 * ``bytes``: the size of the logical buffer of the operation, ``numel * itemsize`` of the tensor
@@ -37,6 +41,7 @@ class Event:
     start: float  # time.perf_counter() seconds on the recording process
     end: float
     group: tuple[int, ...] = ()  # global ranks of the process group
+    dim: str = ""  # the mesh dimension that group was named with ("dp", "tp", ...; "" if unnamed)
     peer: int | None = None  # global rank on the other side of a send/recv
     shape: tuple[int, ...] = ()
     dtype: str = ""
@@ -83,9 +88,11 @@ class Trace:
     def comm(self) -> list[Event]:
         return [e for e in self.events if e.kind == "comm"]
 
-    def sent_bytes(self, label_prefix: str = "") -> float:
-        """Bytes this rank sent (ring model), over events whose label starts with the prefix."""
-        return sum(e.sent_bytes for e in self.comm() if e.label.startswith(label_prefix))
+    def sent_bytes(self, label_prefix: str = "", dim: str | None = None) -> float:
+        """Bytes this rank sent (ring model), over events whose label starts with the prefix and,
+        when ``dim`` is given, that went through a group of that mesh dimension."""
+        return sum(e.sent_bytes for e in self.comm()
+                   if e.label.startswith(label_prefix) and (dim is None or e.dim == dim))
 
     def clear(self) -> None:
         self.events.clear()
@@ -166,6 +173,16 @@ def totals(events: Iterable[Event], by: tuple[str, ...] = ("op",)) -> dict[tuple
     return dict(out)
 
 
-def sent_bytes_per_rank(traces: Iterable[Trace], label_prefix: str = "") -> list[float]:
-    """Bytes each rank sent, in rank order."""
-    return [t.sent_bytes(label_prefix) for t in sorted(traces, key=lambda t: t.rank)]
+def sent_bytes_per_rank(traces: Iterable[Trace], label_prefix: str = "", dim: str | None = None) -> list[float]:
+    """Bytes each rank sent, in rank order (only through groups of mesh dimension ``dim`` if given;
+    only under a label prefix if given, as the exercises do to single out the learner's answer)."""
+    return [t.sent_bytes(label_prefix, dim) for t in sorted(traces, key=lambda t: t.rank)]
+
+
+def sent_bytes_by_dim(traces: Iterable[Trace]) -> list[dict[str, float]]:
+    """Bytes each rank sent through each mesh dimension, one dict per rank in rank order:
+    [{"tp": ..., "pp": ..., "dp": ...}, ...]. Every dict has every dimension any rank sent through
+    ("" for unnamed groups), zero where this rank sent nothing in it."""
+    traces = sorted(traces, key=lambda t: t.rank)
+    dims = sorted({e.dim for t in traces for e in t.comm()})
+    return [{d: t.sent_bytes(dim=d) for d in dims} for t in traces]

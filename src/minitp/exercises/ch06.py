@@ -20,6 +20,7 @@ import torch
 
 from minitp import cost, mesh
 from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.layout import coordinates, group_lists
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 
 GIB = 2**30
@@ -58,8 +59,8 @@ def _pp_tp_swapped(rank: int, dp: int, pp: int, tp: int):
 
 
 def _truth(rank: int, dp: int, pp: int, tp: int):
-    c = mesh.coordinates(rank, dp, pp, tp)
-    groups = {dim: next(g for g in lists if rank in g) for dim, lists in mesh.group_lists(dp, pp, tp).items()}
+    c = coordinates(rank, dp, pp, tp)
+    groups = {dim: next(g for g in lists if rank in g) for dim, lists in group_lists(dp, pp, tp).items()}
     return (c.dp, c.pp, c.tp), groups
 
 

@@ -15,13 +15,15 @@ from minitp.models.llama import (
     build_model,
     generate,
     get_config,
+    greedy_token,
     loss_fn,
+    rms_norm,
 )
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
 
 __all__ = [
     "ModelConfig", "TINY", "LLAMA3_8B", "LLAMA3_70B", "PRESETS", "get_config",
-    "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer", "KVCache",
-    "build_model", "generate", "loss_fn",
+    "RMSNorm", "rms_norm", "Attention", "FeedForward", "TransformerBlock", "Transformer", "KVCache",
+    "build_model", "generate", "greedy_token", "loss_fn",
     "TrainConfig", "synthetic_batches", "make_optimizer", "train_reference",
 ]

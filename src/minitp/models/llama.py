@@ -12,6 +12,7 @@ of the MLP, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,6 +75,13 @@ def get_config(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x divided by its root mean square over the last dim (in fp32, for stability), times ``weight``.
+    x: (..., D), weight: (D,). Tensor parallel's sequence-parallel norm calls this too."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -81,9 +89,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (..., D); normalise by the root mean square over D, in fp32 for stability
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)  # (..., D)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,15 +180,24 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
         # tokens: (B, S) -> logits (B, S, V)
-        S = tokens.shape[1]
-        if start_pos + S > self.config.max_seq_len:
-            raise ValueError(f"sequence reaches position {start_pos + S}, past max_seq_len="
-                             f"{self.config.max_seq_len}")
+        h = self.tok_embeddings(tokens)  # (B, S, D); (B, S/tp, D) under sequence parallel
+        return self.output(self.norm(self.run_blocks(h, start_pos, caches, tokens.shape[1])))  # (B, S, V)
+
+    def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None, seq_len: int | None = None) -> torch.Tensor:
+        """The blocks, in order, on hidden states h (B, S, D) at positions start_pos.. -> (B, S, D).
+
+        It reads only ``layers`` (block i by its name, ``layers.i``), the rope tables and ``config``,
+        so a pipeline stage holding some of the blocks under their names runs this same loop
+        (``minitp.pp.PipelineStage``). seq_len: the positions S the rope tables cover, when h holds
+        fewer (tensor parallel's sequence parallel keeps S/tp of them between attention and MLP)."""
+        S, limit = seq_len or h.shape[1], self.config.max_seq_len
+        if start_pos + S > limit:
+            where = f"of {S} positions" if start_pos == 0 else f"reaching position {start_pos + S}"
+            raise ValueError(f"sequence {where} is past max_seq_len={limit}")
         cos, sin = self.rope_cos[start_pos:start_pos + S], self.rope_sin[start_pos:start_pos + S]
-        h = self.tok_embeddings(tokens)  # (B, S, D)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, None if caches is None else caches[i])
-        return self.output(self.norm(h))  # (B, S, V)
+        for name, block in self.layers.named_children():  # "0", "1", ...; a stage's: "2", "3"
+            h = block(h, cos, sin, None if caches is None else caches[int(name)])
+        return h
 
 
 def build_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
@@ -214,15 +229,25 @@ class KVCache:
         return self.k, self.v
 
 
+def greedy_token(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely next token after the last position: (B, S, V) -> (B, 1)."""
+    return logits[:, -1].argmax(dim=-1, keepdim=True)
+
+
 @torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with a KV cache: the prompt once, then one token per step. (B, P) -> (B, P+N)."""
-    caches = [KVCache() for _ in range(model.config.n_layers)]
+def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
+             next_token: Callable[[torch.Tensor], torch.Tensor] = greedy_token,
+             caches: list[KVCache] | None = None) -> torch.Tensor:
+    """Greedy decoding with a KV cache: the prompt once, then one token per step. (B, P) -> (B, P+N).
+
+    next_token: logits (B, S, V) -> tokens (B, 1); a parallel model whose logits are sharded passes
+    its own (``minitp.tp.generate``). caches: one empty ``KVCache`` per layer to fill; fresh if None.
+    """
+    caches = [KVCache() for _ in range(model.config.n_layers)] if caches is None else caches
     logits = model(prompt, start_pos=0, caches=caches)
     out = [prompt]
     for step in range(new_tokens):
-        nxt = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
-        out.append(nxt)
+        out.append(next_token(logits))  # (B, 1)
         if step + 1 < new_tokens:
-            logits = model(nxt, start_pos=prompt.shape[1] + step, caches=caches)
+            logits = model(out[-1], start_pos=prompt.shape[1] + step, caches=caches)
     return torch.cat(out, dim=1)

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 
+from minitp.units import byte_scale, format_bytes
 from minitp.viz.style import OP_COLORS, figure, rank_color
 
 SUM_COLOR = "#DDDDDD"  # a value that is a sum over ranks belongs to no single rank
@@ -19,14 +20,6 @@ SUM_COLOR = "#DDDDDD"  # a value that is a sum over ranks belongs to no single r
 
 def _fmt(v: float) -> str:
     return f"{int(v)}" if float(v).is_integer() else f"{v:.3g}"
-
-
-def _fmt_bytes(b: float) -> str:
-    """Bytes with a binary prefix: 512 B, 256 KiB, 1.5 MiB."""
-    for power, prefix in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if abs(b) >= 1024**power:
-            return f"{b / 1024**power:.3g} {prefix}"
-    return f"{b:.3g} B"
 
 
 def _draw_row(ax, y: float, texts: list[str], faces: list, edges: list[str] | None = None,
@@ -187,7 +180,7 @@ def message_graph(events, title: str = "", unit: str = "B"):
         # label just beyond the bulge of the arc: arc3 with rad=-0.25 bends towards (-dy, dx)
         mx, my = (x0 + x1) / 2, (y0 + y1) / 2
         lx, ly = mx - 0.42 * (y1 - y0), my + 0.42 * (x1 - x0)
-        amount = _fmt_bytes(nbytes) if unit == "B" else f"{nbytes:g} {unit}"
+        amount = format_bytes(nbytes) if unit == "B" else f"{nbytes:g} {unit}"
         ax.text(lx, ly, f"{count} msgs, {amount}", ha="center", va="center", fontsize=7,
                 color=rank_color(src))
     for r, (x, y) in pos.items():
@@ -203,15 +196,11 @@ def message_graph(events, title: str = "", unit: str = "B"):
 def bytes_per_rank(sent: list[float], expected: float | list[float], title: str = "",
                    formula: str = "formula"):
     """Bars: the bytes each rank sent (traced); dashed line or dots: what the formula says.
-    The axis counts in B, KiB, MiB or GiB, whichever suits the largest value."""
+    The axis counts in bytes, KB, MB or GB (``minitp.units``), whichever suits the largest value."""
     n = len(sent)
     values = [*sent, *([expected] if isinstance(expected, (int, float)) else expected)]
     top = max(values, default=0)
-    scale, unit = 1, "B"
-    for power, prefix in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if top >= 1024**power:
-            scale, unit = 1024**power, prefix
-            break
+    unit, scale = byte_scale(top)
     fig = figure(4.0, 2.6)
     ax = fig.subplots()
     ax.bar(range(n), [s / scale for s in sent], color=[rank_color(r) for r in range(n)], label="traced")

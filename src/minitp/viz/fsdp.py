@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from minitp.trace import Event, totals
+from minitp.units import format_bytes
 from minitp.viz.style import OP_COLORS, figure, rank_color
-from minitp.viz.timeline import collect_events, format_bytes
+from minitp.viz.timeline import collect_events
 
 HELD_COLOR = "#CFE3F3"  # the full parameters of a unit exist on this rank
 PARAM_SHADES = ("#E6E6E6", "#C8C8C8")

@@ -12,30 +12,37 @@ held, and every message of a step sorted by the dimension it served.
 * ``bytes_by_dim``: per rank, the bytes sent in each dimension stacked, beside what a formula (the
   planner's, ``minitp.cost``) says.
 
+A message's dimension is the one its process group was named with (``Event.dim``, set by
+``minitp.comm`` from the group: the mesh names its groups); messages through a group nobody named
+(dim "") are left out.
+
 Every drawn piece carries a ``gid`` ("group:<dim>:<i>", "rank:<dim>:<r>", "slice:<name>:<rank>",
 "msg:<rank>:<dim>:<i>", "<which>:<i>:<dim>") so that tests can find it.
 """
 
 from __future__ import annotations
 
-import torch
-
+from minitp import layout
 from minitp.trace import Event
+from minitp.units import byte_scale, format_bytes
 from minitp.viz.style import RANK_COLORS, figure, rank_color
-from minitp.viz.timeline import byte_scale, collect_events, format_bytes
-from minitp.viz.tp import locate
+from minitp.viz.timeline import collect_events
+from minitp.viz.tp import locate, whole
 
-DIMS = ("tp", "pp", "dp")  # fastest first: the order they are drawn in
-DIM_COLORS = {"tp": "#0072B2", "pp": "#E69F00", "dp": "#009E73"}
-DIM_PREFIXES = {"tp": ("tp/",), "pp": ("pp/",), "dp": ("ddp/", "fsdp/")}
+DIMS = tuple(reversed(layout.DIMS))  # ("tp", "pp", "dp"): fastest first, the order they are drawn in
+# a colour per dimension; "fsdp" is what a group handed to FSDP alone (no mesh) is named
+DIM_COLORS = {"tp": "#0072B2", "pp": "#E69F00", "dp": "#009E73", "fsdp": "#CC79A7"}
 
 
-def dimension_of(label: str) -> str | None:
-    """The mesh dimension a message served, from its label: "tp/…", "pp/…", "ddp/…" or "fsdp/…"."""
-    for dim, prefixes in DIM_PREFIXES.items():
-        if label.startswith(prefixes):
-            return dim
-    return None
+def dims_present(dims) -> list[str]:
+    """The named dimensions among ``dims``, in drawing order: the mesh's fastest first, then any
+    other ("fsdp", ...) by name; "" (a group nobody named) is left out."""
+    named = {d for d in dims if d}
+    return [d for d in DIMS if d in named] + sorted(named - set(DIMS))
+
+
+def _dim_color(dim: str) -> str:
+    return DIM_COLORS.get(dim, "#999999")
 
 
 # -- the mesh as a box ------------------------------------------------------------------------------------
@@ -120,8 +127,7 @@ def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | 
         dim = holders[0]["shards"][name][1]
         first = min(r["coords"][0] for r in holders)
         pieces = [r["shards"][name][0] for r in holders if r["coords"][0] == first]  # one replica, tp order
-        whole = pieces[0] if dim is None else torch.cat(pieces, dim=dim)
-        W = whole.detach().T  # (in, out), as in y = x·W
+        W = whole(pieces, dim).detach().T  # (in, out), as in y = x·W
         rows, cols = W.shape
         placements = locate(W, [r["shards"][name][0].detach().T for r in holders])
         slots: dict[tuple, list[int]] = {}
@@ -165,13 +171,16 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
     """One lane per rank, a row per dimension, each message a bar coloured by its dimension; at the
     end of each lane the bytes (ring model) the rank sent in each dimension.
 
-    run: what ``minitp.launch`` returned (its traces), a list of Traces or of Events.
+    run: what ``minitp.launch`` returned (its traces), a list of Traces or of Events. A row for each
+        dimension any drawn rank sent through (``Event.dim``).
     """
-    events = [e for e in collect_events(run) if e.kind == "comm" and dimension_of(e.label)]
+    events = [e for e in collect_events(run) if e.kind == "comm" and e.dim]
     if ranks is not None:
         events = [e for e in events if e.rank in set(ranks)]
     if not events:
-        raise ValueError("no tp/pp/dp message to draw; was the run traced?")
+        raise ValueError("no message through a named group (a mesh's or a strategy's) to draw; was the run traced?")
+    dims = dims_present(e.dim for e in events)
+    pitch = 0.81 / max(len(dims), 3)  # rows inside a lane: 0.27 apart for tp, pp, dp
     lanes = sorted({e.rank for e in events})
     t0, t1 = min(e.start for e in events), max(e.end for e in events)
     span_ms = max((t1 - t0) * 1e3, 1e-6)
@@ -181,16 +190,16 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
     for i, rank in enumerate(lanes):
         base = len(lanes) - 1 - i  # rank 0 on top
         mine: list[Event] = [e for e in events if e.rank == rank]
-        for row, dim in enumerate(DIMS):
-            y = base + 0.28 - row * 0.27
-            for e in (e for e in mine if dimension_of(e.label) == dim):
+        for row, dim in enumerate(dims):
+            y = base + 0.28 - row * pitch
+            for e in (e for e in mine if e.dim == dim):
                 k = counts.get((rank, dim), 0)
                 counts[(rank, dim)] = k + 1
-                ax.broken_barh([((e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 3e-3))], (y - 0.11, 0.22),
-                               facecolors=DIM_COLORS[dim], edgecolor="black", linewidth=0.2,
-                               gid=f"msg:{rank}:{dim}:{k}")
-        sent = {d: sum(e.sent_bytes for e in mine if dimension_of(e.label) == d) for d in DIMS}
-        words = "  ".join(f"{d} {format_bytes(sent[d])}" for d in DIMS)
+                ax.broken_barh([((e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 3e-3))],
+                               (y - 0.4 * pitch, 0.8 * pitch), facecolors=_dim_color(dim), edgecolor="black",
+                               linewidth=0.2, gid=f"msg:{rank}:{dim}:{k}")
+        sent = {d: sum(e.sent_bytes for e in mine if e.dim == d) for d in dims}
+        words = "  ".join(f"{d} {format_bytes(sent[d])}" for d in dims)
         ax.text(span_ms * 1.02, base, words, ha="left", va="center", fontsize=7)
     ax.set_yticks(range(len(lanes)), [f"rank {r}" for r in reversed(lanes)])
     ax.set_ylim(-0.55, len(lanes) - 0.45)
@@ -199,7 +208,7 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
     ax.spines[["top", "right"]].set_visible(False)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=c, label=d) for d, c in DIM_COLORS.items()], fontsize=7, ncol=3,
+    ax.legend(handles=[Patch(color=_dim_color(d), label=d) for d in dims], fontsize=7, ncol=len(dims),
               loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10, loc="right")
@@ -208,13 +217,17 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
 
 def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, names: list[str] | None = None,
                  title: str = "", width: float = 7.0):
-    """Per rank, the bytes sent in tp, pp and dp stacked; ``expected`` (same form, e.g. from
-    ``minitp.cost.threed_step_bytes``) hatched beside each bar."""
+    """Per rank, the bytes sent in each dimension stacked; ``expected`` (same form, e.g. from
+    ``minitp.cost.threed_step_bytes``) hatched beside each bar.
+
+    traced: one {dimension: bytes} per rank, as ``minitp.trace.sent_bytes_by_dim`` gives them.
+    """
     traced = list(traced)
     if expected is not None and len(expected) != len(traced):
         raise ValueError(f"{len(traced)} traced entries but {len(expected)} expected ones")
     names = names or [f"rank {i}" for i in range(len(traced))]
-    totals = [sum(b.get(d, 0) for d in DIMS) for b in traced + list(expected or [])]
+    dims = dims_present(d for b in traced + list(expected or []) for d in b)
+    totals = [sum(b.get(d, 0) for d in dims) for b in traced + list(expected or [])]
     unit, scale = byte_scale(max(totals))
     fig = figure(width, 3.0)
     ax = fig.add_subplot()
@@ -223,11 +236,11 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     for which, entries, shift in pairs:
         for i, b in enumerate(entries):
             bottom = 0.0
-            for d in DIMS:
+            for d in dims:
                 value = b.get(d, 0) / scale
-                ax.bar(i + shift, value, bar_w, bottom=bottom, color=DIM_COLORS[d], gid=f"{which}:{i}:{d}",
+                ax.bar(i + shift, value, bar_w, bottom=bottom, color=_dim_color(d), gid=f"{which}:{i}:{d}",
                        alpha=1.0 if which == "traced" else 0.45, hatch=None if which == "traced" else "//",
-                       edgecolor="white" if which == "traced" else DIM_COLORS[d], linewidth=0.5)
+                       edgecolor="white" if which == "traced" else _dim_color(d), linewidth=0.5)
                 bottom += value
             ax.text(i + shift, bottom, f"{bottom:.3g}", ha="center", va="bottom", fontsize=6.5)
     ax.set_xticks(range(len(traced)), names, fontsize=8)
@@ -236,7 +249,7 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     ax.spines[["top", "right"]].set_visible(False)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=DIM_COLORS[d], label=d) for d in DIMS]
+    handles = [Patch(color=_dim_color(d), label=d) for d in dims]
     if expected is not None:
         handles += [Patch(facecolor="#888888", label="traced"),
                     Patch(facecolor="white", edgecolor="#888888", hatch="//", label="formula")]
@@ -246,4 +259,4 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     return fig
 
 
-__all__ = ["DIMS", "DIM_COLORS", "dimension_of", "mesh_cube", "block_shards", "messages_by_dim", "bytes_by_dim"]
+__all__ = ["DIMS", "DIM_COLORS", "dims_present", "mesh_cube", "block_shards", "messages_by_dim", "bytes_by_dim"]

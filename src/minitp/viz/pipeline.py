@@ -37,18 +37,9 @@ def actions_of(timeline) -> list[tuple[str, int, float, float]]:
 
 
 def _timelines(run) -> list[list[tuple[str, int, float, float]]]:
-    if isinstance(run, dict):
+    if hasattr(run, "keys"):  # a run_pp Report, or its JSON as a dict
         run = run["last_step_timeline"]
     return [actions_of(t) for t in run]
-
-
-def idle_share(run) -> list[float]:
-    """Per rank, 1 - busy / span (the span from the first start to the last end over all ranks):
-    ``minitp.pp.bubble_fraction`` for either shape of timeline."""
-    lanes = _timelines(run)
-    t0 = min(a[2] for lane in lanes for a in lane)
-    t1 = max(a[3] for lane in lanes for a in lane)
-    return [1.0 - sum(e - s for _, _, s, e in lane) / (t1 - t0) for lane in lanes]
 
 
 # -- what each rank holds -------------------------------------------------------------------------
@@ -257,5 +248,4 @@ def in_flight(runs: dict[str, list], *, title: str = "", width: float = 8.0):
     return fig
 
 
-__all__ = ["stage_map", "gantt", "bubble_curve", "in_flight", "in_flight_steps", "idle_share", "actions_of",
-           "KIND_COLORS"]
+__all__ = ["stage_map", "gantt", "bubble_curve", "in_flight", "in_flight_steps", "actions_of", "KIND_COLORS"]

@@ -20,24 +20,10 @@ def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
-def _show_figures_in_notebooks() -> None:
-    """Figures made here are not attached to pyplot, so in a Jupyter kernel they show only if the
-    inline backend's display hook is installed: install it, as ``%matplotlib inline`` would."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
-    if shell is not None and getattr(shell, "kernel", None) is not None:
-        shell.run_line_magic("matplotlib", "inline")
-
-
-_show_figures_in_notebooks()
-
-
 def figure(width: float = 8.0, height: float = 3.0, **kwargs):
     """A new figure, not attached to pyplot: it shows once, where the notebook displays it, and
-    needs no GUI backend."""
+    needs no GUI backend. A Jupyter kernel displays a returned Figure once its inline backend is
+    on: every chapter's first cell runs ``%matplotlib inline`` (importing minitp changes nothing)."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained", **kwargs)

@@ -22,25 +22,11 @@ import math
 from collections.abc import Iterable
 
 from minitp.trace import Event, Trace
+from minitp.units import byte_scale, format_bytes  # noqa: F401  (format_bytes: notebooks import it from here)
 from minitp.viz import style
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
 COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as bandwidths are quoted: 723200 -> '723.2 KB'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def byte_scale(largest: float) -> tuple[str, float]:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if largest >= scale:
-            return unit, scale
-    return "bytes", 1.0
 
 
 # -- the message timeline -----------------------------------------------------------------------------
@@ -166,7 +152,7 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     expected: the same from ``minitp.cost.memory_per_rank``, drawn hatched beside each measured bar.
     limit: a horizontal line (e.g. a GPU's memory) in bytes, named by ``limit_label``.
     """
-    if isinstance(memory, dict) and "memory" in memory:
+    if hasattr(memory, "keys") and "memory" in memory:  # a Report, or its JSON as a dict
         expected = memory.get("memory_expected") if expected is None else expected
         memory = memory["memory"]
     memory = list(memory)
@@ -219,7 +205,7 @@ def loss_curve(run, reference: list[float] | None = None, *, title: str = "", wi
         {name: losses} for several runs.
     reference: the one-process losses (taken from the report when ``run`` is one).
     """
-    if isinstance(run, dict) and "loss" in run and "reference_loss" in run:
+    if hasattr(run, "keys") and "loss" in run and "reference_loss" in run:  # a Report, or its JSON
         reference = run["reference_loss"] if reference is None else reference
         runs = {f"{run.get('strategy', 'run')}, {run.get('world_size', '?')} ranks": run["loss"]}
     elif isinstance(run, dict):

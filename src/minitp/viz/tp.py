@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from minitp.trace import Event, Trace
+from minitp.units import format_bytes
 from minitp.viz.style import OP_COLORS, figure, rank_color
-from minitp.viz.timeline import format_bytes
 
 REPLICATED_COLOR = "#DDDDDD"
 
@@ -75,6 +75,12 @@ def locate(full: torch.Tensor, shards: list[torch.Tensor], atol: float = 1e-5) -
                 break
         out.append(placement)
     return out
+
+
+def whole(pieces: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """The tensor the ranks' pieces make together, pieces in rank order: concatenated along the
+    dimension they were split along, or the first piece where every rank holds all of it (None)."""
+    return pieces[0] if dim is None else torch.cat(pieces, dim=dim)
 
 
 def _lighten(color: str, amount: float) -> tuple[float, float, float]:
@@ -156,15 +162,13 @@ def weight_shards(per_rank: list[dict], names: list[str], *, labels: list[str] |
                   width: float = 8.0):
     """The weights ``names`` of a tensor-parallel module as each rank held them.
 
-    per_rank: ``minitp.tp.local_shards(module)`` of every rank, in rank order. Each weight is drawn
-    as the (in, out) matrix of y = x·W (the transpose of ``nn.Linear.weight``), so a column-parallel
-    layer shows vertical slices and a row-parallel layer horizontal ones.
+    per_rank: ``minitp.tp.local_shards(module)`` of every rank, in rank order: {name: (this rank's
+        piece, the dim it was split along or None)}. Each weight is drawn as the (in, out) matrix of
+        y = x·W (the transpose of ``nn.Linear.weight``), so a column-parallel layer shows vertical
+        slices and a row-parallel layer horizontal ones.
     """
-    from minitp import tp
-
-    full = tp.unshard(per_rank)
     fig = figure(width, 2.4)
-    mats = [full[n].T for n in names]
+    mats = [whole([r[n][0] for r in per_rank], per_rank[0][n][1]).T for n in names]
     axes = fig.subplots(1, len(names), width_ratios=[m.shape[1] for m in mats])
     axes = [axes] if len(names) == 1 else list(axes)
     labels = labels or names
@@ -236,4 +240,4 @@ def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
     return fig
 
 
-__all__ = ["Placement", "locate", "matmul_blocks", "weight_shards", "message_flow", "phase_of"]
+__all__ = ["Placement", "locate", "whole", "matmul_blocks", "weight_shards", "message_flow", "phase_of"]

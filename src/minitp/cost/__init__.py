@@ -29,6 +29,15 @@ parameter, ``exp_avg`` and ``exp_avg_sq``, plus one 4-byte ``step`` counter per 
 
 from __future__ import annotations
 
+from minitp.layout import (  # noqa: F401  (check_3d_layout and num_buckets: public here too)
+    check_3d_layout,
+    check_divisible,
+    check_tp_config,
+    num_buckets,
+    padded_numel,
+    stage_num_blocks,
+)
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
@@ -69,20 +78,6 @@ def ddp_run_bytes(num_params: int, world_size: int, steps: int, rank: int,
     if broadcast_at_init:
         total += collective_sent_bytes("broadcast", num_params * param_bytes, world_size, position=rank)
     return total
-
-
-def num_buckets(param_bytes: list[int], bucket_bytes: int) -> int:
-    """How many buckets DDP forms from parameters of these sizes (in backward order), filling each
-    bucket until adding the next parameter would pass ``bucket_bytes`` (a parameter larger than a
-    bucket gets one to itself)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    count, filled = 0, 0
-    for size in param_bytes:
-        if count == 0 or filled + size > bucket_bytes:
-            count, filled = count + 1, 0
-        filled += size
-    return count
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -131,13 +126,6 @@ def total_memory(memory: dict[str, float]) -> float:
 #   ZeRO-3  all-gather in forward, again in backward if the unit was resharded after forward (never the
 #           root, with which backward starts), reduce-scatter in backward:
 #           Σ_u (n-1)/n · P_u · (g_u · b_p + b_r),  g_u = 2 for a resharded unit, else 1  (1.5x DDP)
-
-
-def padded_numel(numel: int, world_size: int) -> int:
-    """``numel`` rounded up to a multiple of ``world_size``: a unit's flat buffer, padding included."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return -(-numel // world_size) * world_size
 
 
 def fsdp_step_bytes(unit_numels: list[int], world_size: int, zero: int = 3, reshard_after_forward: bool = True,
@@ -276,10 +264,7 @@ def tp_run_bytes(cfg, batch: int, seq: int, tp: int, steps: int, sequence_parall
 def tp_params_per_rank(cfg, tp: int) -> int:
     """Parameters one rank holds: every matrix / tp, plus the replicated RMSNorm weights
     (2 per block and the final one, D each)."""
-    for what, size in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden),
-                       ("vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ValueError(f"{what}={size} is not divisible by tp={tp}")
+    check_tp_config(cfg, tp)
     replicated = (2 * cfg.n_layers + 1) * cfg.dim
     return (cfg.num_params() - replicated) // tp + replicated
 
@@ -292,8 +277,7 @@ def tp_memory_per_rank(cfg, tp: int, precision: str = "fp32", num_tensors: int =
 
 def tp_mlp_params_per_rank(dim: int, hidden: int, tp: int) -> int:
     """Parameters one rank holds of a tensor-parallel SwiGLU MLP: w1, w3 (D·F/tp each), w2 (F/tp·D)."""
-    if hidden % tp:
-        raise ValueError(f"hidden={hidden} is not divisible by tp={tp}")
+    check_divisible("hidden", hidden, "tp", tp)
     return 3 * dim * hidden // tp
 
 
@@ -372,31 +356,6 @@ def pp_peak_microbatches_in_flight(pp: int, microbatches: int, stage: int, sched
 #
 # A dimension of size 1 sends nothing (every formula above gives 0 at n = 1).
 
-def stage_num_blocks(n_layers: int, pp: int, stage: int) -> int:
-    """How many blocks stage ``stage`` of ``pp`` holds (``minitp.pp.stage_blocks``: as even as possible,
-    the spare ones to the first stages)."""
-    if pp > n_layers:
-        raise ValueError(f"pp={pp} stages but the model has {n_layers} blocks: every stage needs at least one block")
-    size, spare = divmod(n_layers, pp)
-    return size + (stage < spare)
-
-
-def check_3d_layout(cfg, dp: int, pp: int, tp: int, world_size: int | None = None) -> None:
-    """Refuse a layout the model cannot take, naming the numbers (mesh product, tp splits, pp stages)."""
-    for name, size in (("dp", dp), ("pp", pp), ("tp", tp)):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
-    if world_size is not None and dp * pp * tp != world_size:
-        raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but the world has {world_size} ranks")
-    for what, size in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden),
-                       ("vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ValueError(f"tp={tp} does not divide {what}={size}")
-    if pp > cfg.n_layers:
-        raise ValueError(f"pp={pp} stages but the model has {cfg.n_layers} blocks: every stage needs at least "
-                         "one block")
-
-
 def stage_unit_numels(cfg, tp: int, pp: int, stage: int) -> list[int]:
     """Parameters a rank of stage ``stage`` holds, per FSDP unit (root first when it has any: the
     embedding on the first stage, final norm and output layer on the last), after the tp split."""
@@ -428,8 +387,7 @@ def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stag
     broadcast of the parameters) or "fsdp" (ZeRO ``zero``; with ``state_dict`` the final all-gather
     of the full parameters). FSDP's parameter gathers use ``param_bytes``, its gradient sums 4 bytes.
     """
-    if batch % dp:
-        raise ValueError(f"batch_size={batch} is not divisible by dp={dp}")
+    check_divisible("batch_size", batch, "dp", dp)
     b, d = batch // dp, cfg.dim
     a = b * seq * d * activation_bytes
     first, last = stage == 0, stage == pp - 1

@@ -1,0 +1,220 @@
+"""Layout arithmetic: how a model and a batch are cut over ranks, and the checks that refuse a cut
+that cannot work. Pure integer arithmetic, no process group, no tensor: the planner, the parent
+process before it starts any worker, the strategies and the tests all ask here, so a size is
+computed, and a bad one refused, in one place with one message.
+
+Top to bottom: divisibility, the mesh (rank <-> coordinates, its groups, its checks), the
+pipeline's stage split, the tensor-parallel checks, FSDP's padded shards, DDP's buckets.
+
+Every refusal names the value that came and what was expected: ``tp=3 does not divide n_heads=4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIMS = ("dp", "pp", "tp")  # the mesh's dimensions, slowest to fastest
+
+
+# -- divisibility ---------------------------------------------------------------------------------------
+def check_positive(name: str, value) -> None:
+    """Refuse a size that is not an integer >= 1 (a bool is not a size)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_divisible(what: str, size: int, by: str, n: int, why: str = "") -> None:
+    """Refuse ``size`` that ``n`` does not divide: ``n_heads=4 is not divisible by tp=3``.
+    ``why`` (": ..." or "; ...") is appended to say what the split needs."""
+    if size % n:
+        raise ValueError(f"{what}={size} is not divisible by {by}={n}{why}")
+
+
+def check_batch(batch_size: int, data_parallel: int) -> None:
+    """Refuse a global batch that does not split evenly over the data-parallel ranks."""
+    if not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"nprocs must be an integer >= 1, got {data_parallel}")
+    check_divisible("batch_size", batch_size, "nproc", data_parallel)
+
+
+# -- the mesh: rank = (dp_rank · pp + pp_rank) · tp + tp_rank, tp fastest, dp slowest ---------------------
+@dataclass(frozen=True)
+class Coordinates:
+    """Where a rank sits on the mesh."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+def check_layout(dp: int, pp: int, tp: int, world_size: int) -> None:
+    """Refuse a layout whose sizes are not positive integers or whose product is not the world."""
+    for name, size in zip(DIMS, (dp, pp, tp)):
+        check_positive(name, size)
+    if dp * pp * tp != world_size:
+        raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but the world has {world_size} ranks")
+
+
+def layouts(world_size: int) -> list[tuple[int, int, int]]:
+    """Every (dp, pp, tp) whose product is ``world_size``, by tp then pp, smallest first."""
+    out = []
+    for tp in range(1, world_size + 1):
+        if world_size % tp:
+            continue
+        for pp in range(1, world_size // tp + 1):
+            if (world_size // tp) % pp == 0:
+                out.append((world_size // (tp * pp), pp, tp))
+    return out
+
+
+def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, pp: int, tp: int) -> int:
+    """The global rank at mesh position (dp_rank, pp_rank, tp_rank)."""
+    return (dp_rank * pp + pp_rank) * tp + tp_rank
+
+
+def coordinates(rank: int, dp: int, pp: int, tp: int) -> Coordinates:
+    """The mesh position of global ``rank``: the inverse of ``rank_of``."""
+    if not 0 <= rank < dp * pp * tp:
+        raise ValueError(f"rank {rank} is not in a mesh of dp*pp*tp = {dp * pp * tp} ranks")
+    return Coordinates(rank // (pp * tp), rank // tp % pp, rank % tp)
+
+
+def group_lists(dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
+    """Every group of each dimension, as lists of global ranks, in the order ``Mesh`` creates them:
+    {"tp": [[0, 1], [2, 3], ...], "pp": [...], "dp": [...]}. A group holds the other two coordinates
+    fixed and runs its own through its range."""
+    check_layout(dp, pp, tp, dp * pp * tp)
+    return {
+        "tp": [[rank_of(d, p, t, pp, tp) for t in range(tp)] for d in range(dp) for p in range(pp)],
+        "pp": [[rank_of(d, p, t, pp, tp) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "dp": [[rank_of(d, p, t, pp, tp) for d in range(dp)] for p in range(pp) for t in range(tp)],
+    }
+
+
+def check_tp_within_node(tp: int, procs_per_node: int) -> None:
+    """Refuse a tensor-parallel group that would straddle machines: with ranks placed tp-fastest,
+    each group stays on one machine exactly when ``procs_per_node`` is a multiple of tp."""
+    if procs_per_node % tp:
+        raise ValueError(f"tp={tp} does not divide the {procs_per_node} processes per node: a tensor-parallel "
+                         f"group would span two machines; use --nproc-per-node a multiple of {tp}")
+
+
+def check_zero(data_parallel: str, zero: int | None, pp: int) -> int | None:
+    """FSDP's ZeRO stage for a layout: 3 by default, 1 with a pipeline (its micro-batches' gradients
+    must add up whole before they are sharded), and 2 or 3 with a pipeline refused. None for DDP."""
+    if data_parallel != "fsdp":
+        return None
+    if zero is None:
+        return 1 if pp > 1 else 3
+    if zero not in (1, 2, 3):
+        raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
+    if pp > 1 and zero != 1:
+        raise ValueError(f"FSDP with pp={pp} needs zero=1, got zero={zero}: each micro-batch runs its own "
+                         f"backward, and ZeRO-2/3 shard the gradient during it (as DeepSpeed, minitp pairs "
+                         f"pipeline parallelism with ZeRO-1 only)")
+    return zero
+
+
+def check_3d_layout(cfg, dp: int, pp: int, tp: int, world_size: int | None = None) -> None:
+    """Refuse a layout the model cannot take, naming the numbers (mesh product, tp splits, pp stages).
+    ``cfg``: a ``ModelConfig``; ``world_size`` None checks the sizes alone (the planner)."""
+    if world_size is None:
+        for name, size in zip(DIMS, (dp, pp, tp)):
+            check_positive(name, size)
+    else:
+        check_layout(dp, pp, tp, world_size)
+    for what, size in tp_split_sizes(cfg):
+        if size % tp:
+            raise ValueError(f"tp={tp} does not divide {what}={size}")
+    check_stages(cfg.n_layers, pp)
+
+
+# -- pipeline: which blocks each stage holds --------------------------------------------------------------
+def check_stages(n_layers: int, num_stages: int) -> None:
+    """Refuse a number of stages that is not a positive integer or leaves a stage with no block."""
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"the number of stages must be an integer >= 1, got {num_stages!r}")
+    if num_stages > n_layers:
+        raise ValueError(f"pp={num_stages} stages but the model has {n_layers} blocks: every stage "
+                         f"needs at least one block")
+
+
+def stage_blocks(n_layers: int, num_stages: int) -> list[range]:
+    """Which blocks each stage holds: consecutive, as even as possible, the spare ones to the first
+    stages (the last one already carries the output layer and the loss)."""
+    check_stages(n_layers, num_stages)
+    size, spare = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        end = start + size + (s < spare)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+def stage_num_blocks(n_layers: int, pp: int, stage: int) -> int:
+    """How many blocks stage ``stage`` of ``pp`` holds (``stage_blocks``)."""
+    return len(stage_blocks(n_layers, pp)[stage])
+
+
+# -- tensor parallel: what tp must divide -------------------------------------------------------------------
+KV_HEADS_WHY = ": minitp splits key/value heads and refuses to replicate them"
+
+
+def tp_split_sizes(cfg) -> list[tuple[str, int]]:
+    """The sizes of a ``ModelConfig`` that tensor parallel splits over tp ranks, by name."""
+    return [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden),
+            ("vocab_size", cfg.vocab_size)]
+
+
+def check_vocab(vocab_size: int, tp: int) -> None:
+    """Refuse a vocabulary tp does not divide, naming the size that would work (minitp never pads it:
+    padding would change the parameter count and the logits the one-process model is checked against)."""
+    check_divisible("vocab_size", vocab_size, "tp", tp,
+                    f"; minitp refuses rather than pads: build the model with "
+                    f"vocab_size={padded_numel(vocab_size, tp)} (the next multiple of {tp})")
+
+
+def check_tp_config(cfg, tp: int) -> None:
+    """Refuse a model that does not split over ``tp`` ranks: heads, key/value heads, MLP width, vocabulary."""
+    check_divisible("n_heads", cfg.n_heads, "tp", tp)
+    check_divisible("n_kv_heads", cfg.kv_heads, "tp", tp, KV_HEADS_WHY)
+    check_divisible("ffn_hidden", cfg.ffn_hidden, "tp", tp)
+    check_vocab(cfg.vocab_size, tp)
+
+
+# -- FSDP: flat buffers padded to a multiple of the world, one equal shard per rank --------------------------
+def padded_numel(numel: int, world_size: int) -> int:
+    """``numel`` rounded up to a multiple of ``world_size``: a unit's flat buffer, padding included."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return -(-numel // world_size) * world_size
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> range:
+    """The elements of the padded flat buffer (``padded_numel``) that ``rank`` holds: the rank-th of
+    ``world_size`` equal slices. Also a tp rank's rows of a divisible dimension (then no padding)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of world_size={world_size} ranks")
+    size = padded_numel(numel, world_size) // world_size
+    return range(rank * size, (rank + 1) * size)
+
+
+# -- DDP: gradients grouped into buckets ---------------------------------------------------------------------
+def bucket_ranges(param_bytes: list[int], bucket_bytes: int) -> list[range]:
+    """Which parameters (by index, in backward order) share each bucket: a bucket fills until the next
+    parameter would pass ``bucket_bytes``; a parameter larger than a bucket gets one to itself."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    starts, filled = [], 0
+    for i, size in enumerate(param_bytes):
+        if not starts or filled + size > bucket_bytes:
+            starts.append(i)
+            filled = 0
+        filled += size
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], len(param_bytes)])]
+
+
+def num_buckets(param_bytes: list[int], bucket_bytes: int) -> int:
+    """How many buckets DDP forms from parameters of these sizes (``bucket_ranges``)."""
+    return len(bucket_ranges(param_bytes, bucket_bytes))

@@ -1,0 +1,149 @@
+"""3D parallelism: a plain model trained on a (dp, pp, tp) mesh, each strategy applied from outside
+by the earlier chapters' code, in the order that lets each one see what it needs:
+
+1. ``tp.parallelize`` over the tp group splits every matrix of the whole model;
+2. ``pp.PipelineStage`` keeps this rank's stage of it (already tp-split);
+3. ``ddp.DistributedDataParallel`` or ``fsdp.FullyShardedDataParallel`` over the dp group wraps
+   what this rank holds;
+4. ``pp.Pipeline`` runs the schedule, calling the wrapper through a ``pp.StageSpec``: the pipeline
+   knows the stage from its description, the wrapper knows nothing of pipelines.
+
+Also here: the inverse, whole tensors from every rank's tp slices (``unshard_3d``), and which dim
+tensor parallel split each parameter along (``split_dims``). The mesh and its groups are in
+``minitp.mesh``; the layout arithmetic and its checks in ``minitp.layout``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+
+from minitp import tp as _tp
+from minitp import trace as _trace
+from minitp.ddp import DistributedDataParallel, split_batch
+from minitp.fsdp import FullyShardedDataParallel
+from minitp.launch import device as launch_device
+from minitp.layout import check_zero
+from minitp.memory import held_bytes
+from minitp.mesh import Mesh
+from minitp.models import Transformer, loss_fn, make_optimizer
+from minitp.pp import Pipeline, PipelineStage, StageSpec
+
+
+class Parallel3D:
+    """A plain model trained on a mesh: tensor parallel over the tp group (the logits sharded over
+    the vocabulary, trained with ``tp.vocab_parallel_cross_entropy``), this rank's pipeline stage
+    over the pp group (``microbatches`` micro-batches of its share of the batch per step), data
+    parallel over the dp group (DDP or FSDP) on what the rank holds. Replicas of a tp slice hold the
+    same tensor, so averaging over dp is all they need; the replicated norm weights need no tp
+    message (without sequence parallel every tp rank computes the same full gradient for them).
+
+    With pp > 1 each micro-batch runs its own backward, so data parallel waits: gradients accumulate
+    under ``no_sync`` and are averaged once after the schedule (FSDP: ZeRO-1 only, see ``fsdp.no_sync``).
+    A dimension of size 1 is left out (no wrapper, no message).
+
+    device: where the model, the batches and the messages go; by default ``minitp.launch.device()``
+    (``cuda:LOCAL_RANK`` under NCCL, else the CPU).
+
+    Read by others: ``mesh``, ``data_parallel``, ``zero``, ``module`` (the pieces this rank holds,
+    under the plain model's names), ``split_dims``, ``ddp`` / ``fsdp`` (None when not used),
+    ``pipeline`` (None when pp = 1), ``optimizer``, ``device``, ``config`` and ``whole_shapes``
+    (the plain model's config and {name: shape} before any split: what a checkpoint checks).
+    """
+
+    def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
+                 microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
+                 device: torch.device | str | None = None):
+        if data_parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+        self.zero = check_zero(data_parallel, zero, mesh.pp)
+        self.mesh, self.data_parallel = mesh, data_parallel
+        # what a checkpoint stores and checks: the plain model's config and its parameters' whole shapes
+        self.config = model.config
+        self.whole_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.device = torch.device(device) if device is not None else launch_device()
+        model.to(self.device)
+        self.loss = loss_fn
+        if mesh.tp > 1:
+            _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
+            self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
+        module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+        # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
+        # parameter along (None: replicated)
+        stage = StageSpec.of(module) if mesh.pp > 1 else None
+        self.module = module  # what this rank holds, under the plain model's names
+        self.split_dims = split_dims(module)
+        self.ddp = self.fsdp = None
+        self.step_model = module
+        if mesh.dp > 1 and data_parallel == "ddp":
+            self.ddp = self.step_model = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
+        elif mesh.dp > 1:
+            self.fsdp = self.step_model = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
+        self.pipeline = None
+        if stage is not None:  # the pipeline calls the wrapper, computing in its dtype
+            dtype = self.fsdp.compute_dtype if self.fsdp else stage.dtype
+            stage = replace(stage, forward=self.step_model, dtype=dtype)
+            self.pipeline = Pipeline(stage, mesh.pp_group, schedule, microbatches, loss=self.loss)
+        params = self.fsdp.parameters() if self.fsdp else module.parameters()
+        self.optimizer = make_optimizer(params, lr)
+        if self.fsdp:
+            self.fsdp.attach(self.optimizer)
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Forward and backward of one global batch (B, S), the same on every rank; gradients end
+        averaged over dp. Returns the loss of this replica's share (None off the last stage)."""
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        if self.mesh.dp > 1:  # this replica's rows: (B, S) → (B/dp, S)
+            tokens, targets = split_batch(tokens, self.mesh.dp_group), split_batch(targets, self.mesh.dp_group)
+        if self.pipeline is None:
+            with _trace.span("forward"):
+                loss = self.loss(self.step_model(tokens), targets)
+            with _trace.span("backward"):
+                loss.backward()
+            return loss.item()
+        wrapper = self.ddp or self.fsdp
+        with wrapper.no_sync() if wrapper else nullcontext():
+            record = self.pipeline.forward_backward(tokens, targets)
+        if self.ddp:
+            self.ddp.all_reduce_gradients()
+        elif self.fsdp:
+            self.fsdp.reduce_gradients()
+        return record.loss
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.forward_backward(tokens, targets)
+        with _trace.span("optimizer"):
+            self.optimizer.step()
+        return loss
+
+    def held_bytes(self) -> dict[str, int]:
+        return self.fsdp.held_bytes() if self.fsdp else held_bytes(self.module.parameters(), self.optimizer)
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """{name: (tensor, tp split dim)}: this rank's tp slice of each parameter of its stage, whole
+        over dp, on the CPU (so it can travel back to the parent process). FSDP gathers its shards:
+        a collective, call it on every rank."""
+        if self.fsdp:
+            state = self.fsdp.full_state_dict()
+        else:
+            state = {n: p.detach().clone() for n, p in self.module.named_parameters()}
+        return {name: (state[name].cpu(), self.split_dims[name]) for name in self.split_dims}
+
+
+def split_dims(module: nn.Module) -> dict[str, int | None]:
+    """{parameter name: the dim tensor parallel split it along, or None where it is replicated}."""
+    return {f"{m}.{n}" if m else n: getattr(sub, "split_dims", {}).get(n)
+            for m, sub in module.named_modules() for n, _ in sub.named_parameters(recurse=False)}
+
+
+def unshard_3d(shards: list[list[dict]]) -> dict:
+    """Whole tensors from one replica's ``Parallel3D.local_shards``: ``shards[stage][tp_rank]``. The
+    tp slices are concatenated along their split dim, the stages' names put together. No message."""
+    full = {}
+    for stage in shards:
+        full.update(_tp.unshard(stage, 0))
+    return full

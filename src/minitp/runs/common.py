@@ -1,0 +1,115 @@
+"""What every runner shares: the checks made in the parent, the training loop, the report."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from minitp import cost
+from minitp import trace as _trace
+from minitp.launch import RANK_MEMORY_BYTES, check_launch
+from minitp.launch_guard import available_memory
+from minitp.models import TrainConfig, get_config, loss_fn
+from minitp.references import full_batch, max_abs_diff
+from minitp.registry import OptionError, check_options
+from minitp.report import Report
+
+
+
+def check_run(strategy: str, values: dict, data_parallel: int, tensor_parallel: int = 1) -> TrainConfig:
+    """The checks every runner makes first, in the parent: each option's value, the sequence
+    against the model, the run's memory against what this machine has. Returns the TrainConfig."""
+    check_options(strategy, values)
+    check_launch(values["nproc"], backend=values["backend"], timeout=values["timeout"])  # the process cap too
+    cfg = get_config(values["model"])
+    if values["seq_len"] > cfg.max_seq_len:
+        raise OptionError("seq_len", values["seq_len"], f"an integer from 1 to {cfg.max_seq_len}, the model's "
+                          f"max_seq_len")
+    check_memory(cfg, values["nproc"], values["batch_size"] // max(1, data_parallel), values["seq_len"],
+                 tensor_parallel)
+    return TrainConfig(steps=values["steps"], batch_size=values["batch_size"], seq_len=values["seq_len"],
+                       lr=values["lr"], seed=values["seed"])
+
+
+def estimate_rank_bytes(cfg, local_batch: int, seq: int, tp: int = 1) -> float:
+    """A generous estimate of what one rank needs: the whole model's parameters, gradients and AdamW
+    state (16 bytes per parameter in fp32, unsharded: an upper bound for every strategy), the
+    activations of its batch (``cost.activation_bytes_per_rank`` in fp32, attention scores stored),
+    the logits with their softmax and gradient, and the batches of every step held up front."""
+    acts = cost.activation_bytes_per_rank(cfg, local_batch, seq, tp, 1, 0, 1, dtype_bytes=4,
+                                          flash_attention=False)
+    logits = 4 * local_batch * seq * cfg.vocab_size * 4
+    return RANK_MEMORY_BYTES + 16 * cfg.num_params() + acts + logits
+
+
+def check_memory(cfg, nproc: int, local_batch: int, seq: int, tp: int = 1) -> None:
+    """Refuse a run whose ranks would need more memory than the machine has (before starting them)."""
+    need = nproc * estimate_rank_bytes(cfg, local_batch, seq, tp)
+    have = available_memory()
+    if have is not None and need > have and not os.environ.get("MINITP_SKIP_MEMORY_CHECK"):
+        raise ValueError(f"this run needs about {need / 2**30:.1f} GiB ({nproc} ranks x "
+                         f"{need / nproc / 2**30:.2f} GiB, batch {local_batch} x {seq} tokens per rank) but "
+                         f"{have / 2**30:.1f} GiB is available: use a smaller batch_size, seq_len or nproc")
+
+
+def train_steps(model, step_model, batches, shard, optimizer, loss=loss_fn) -> tuple[list[float], list[float]]:
+    """The training loop every strategy's worker shares: forward/backward on this rank's part of
+    each global batch, optimizer step. Gradients are left in place after the last step so memory
+    is measured with them held. ``loss(output, targets)``: tensor parallel passes its own.
+    Returns (local losses, step times)."""
+    losses, times = [], []
+    for tokens, targets in batches:
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        with _trace.span("forward"):
+            value = loss(step_model(shard(tokens)), shard(targets))
+        with _trace.span("backward"):
+            value.backward()
+        with _trace.span("optimizer"):
+            optimizer.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(value.item())
+    return losses, times
+
+
+def step_events(worker_result: dict, trace: _trace.Trace) -> list[_trace.Event]:
+    """The events a worker recorded during its training steps only (it returns their index range as
+    ``"steps_events"``): no start-up broadcast, no final gather of a state dict."""
+    first, last = worker_result["steps_events"]
+    return trace.events[first:last]
+
+
+def build_report(strategy: str, layout: dict, per_rank: list[dict], results, model_name: str,
+                 train: TrainConfig, expected_bytes: list[float], expected_memory: list[dict],
+                 reference: tuple[list[float], dict] | None = None, **fields) -> Report:
+    """Put a launched run's per-rank returns next to the one-process reference: (losses, state),
+    by default the whole model trained on one process with the full batch. ``fields``: the
+    Report's optional fields (``start_step``, ``comm_bytes_*_by_dim``, ``reference``...) and the
+    strategy's own details."""
+    cfg = get_config(model_name)
+    ref_losses, ref_state = full_batch(cfg, train) if reference is None else reference
+    losses = [statistics.fmean(r["losses"][s] for r in per_rank if r["losses"]) for s in range(train.steps)]
+    own = {k: fields.pop(k) for k in list(fields) if k in Report.__dataclass_fields__}
+    return Report(
+        strategy=strategy, world_size=len(per_rank), layout=layout, model=model_name,
+        num_params=own.pop("num_params", cfg.num_params()), steps=train.steps, batch_size=train.batch_size,
+        loss=losses, reference_loss=ref_losses,
+        max_abs_param_diff=max(max_abs_diff(r["state"], ref_state) for r in per_rank if r["state"]),
+        comm_bytes_traced=_trace.sent_bytes_per_rank(results.traces), comm_bytes_expected=expected_bytes,
+        memory=[r["memory"] for r in per_rank], memory_expected=expected_memory, wall_s=results.wall_s,
+        step_s=[r["step_s"] for r in per_rank], details=fields, results=results, **own)
+
+
+def worker_summary(losses: list[float], times: list[float], memory: dict, **more) -> dict:
+    """What a worker returns besides its strategy's own: rank, losses, median step time, memory."""
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "losses": losses, "step_s": statistics.median(times), "memory": memory,
+            **more}
+
+
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}

@@ -1,0 +1,80 @@
+"""Checked runs of pipeline parallelism: one stage per rank, a schedule of micro-batches."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from minitp import cost, layout, pp
+from minitp import trace as _trace
+from minitp.launch import launch
+from minitp.memory import held_bytes
+from minitp.models import TrainConfig, build_model, get_config, make_optimizer, synthetic_batches
+from minitp.registry import Option, Strategy, register
+from minitp.report import Report
+from minitp.runs.common import build_report, check_run, worker_summary
+
+
+def _pp_worker(model_name: str, train: TrainConfig, schedule: str, microbatches: int) -> dict:
+    cfg = get_config(model_name)
+    pipe = pp.Pipeline(build_model(cfg, seed=train.seed), None, schedule, microbatches)  # the world is the pipeline
+    optimizer = make_optimizer(pipe.parameters(), train.lr)
+    losses, times, timelines, peaks = [], [], [], []
+    for tokens, targets in synthetic_batches(cfg, train):
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        record = pipe.forward_backward(tokens, targets)
+        with _trace.span("optimizer"):
+            optimizer.step()
+        times.append(time.perf_counter() - t0)
+        if record.loss is not None:  # only the last stage computes the loss
+            losses.append(record.loss)
+        timelines.append(record.timeline)
+        peaks.append(record.peak_in_flight)
+    return worker_summary(losses, times, held_bytes(pipe.parameters(), optimizer), stage_state=pipe.state_dict(),
+                          timelines=timelines, peak_in_flight=max(peaks))
+
+
+def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str = "1f1b", model: str = "tiny",
+           batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
+           backend: str = "gloo", timeout: float = 300.0) -> Report:
+    """Train with ``minitp.pp`` (``nproc`` stages, ``microbatches`` per step, GPipe or 1F1B) and report
+    it against the three oracles, plus the bubble: measured (``minitp.pp.bubble_fraction``, the mean
+    over ranks, the median over the steps after the first) and expected ((p-1)/(m+p-1))."""
+    train = check_run("pp", locals(), data_parallel=1)
+    cfg = get_config(model)
+    blocks = layout.stage_blocks(cfg.n_layers, nproc)  # refuse a bad split here, in the parent
+    pp.make_schedule(schedule, nproc, microbatches)
+    pp.split_microbatches(torch.empty(batch_size), microbatches)
+    results = launch(_pp_worker, nproc, model, train, schedule, microbatches, backend=backend, timeout=timeout,
+                     echo=False)
+    full = {k: v for r in results for k, v in r["stage_state"].items()}  # the stages put together
+    per_rank = [{**{k: v for k, v in r.items() if k != "stage_state"}, "state": full} for r in results]
+    first_last = [(s == 0, s == nproc - 1) for s in range(nproc)]
+    expected_bytes = [cost.pp_run_bytes(batch_size, seq_len, cfg.dim, nproc, s, steps) for s in range(nproc)]
+    n_tensors = [len(list(pp.PipelineStage(build_model(cfg), s, nproc).parameters())) for s in range(nproc)]
+    expected_memory = [cost.pp_memory_per_rank(cfg, len(blocks[s]), *first_last[s], num_tensors=n_tensors[s])
+                       for s in range(nproc)]
+    per_step = [pp.bubble_fraction([r["timelines"][k] for r in results]) for k in range(steps)]
+    timed = per_step[1:] or per_step  # the first step also warms up (allocations, first messages)
+    last = [r["timelines"][-1] for r in results]
+    t0 = min(t[0][1] for t in last)
+    return build_report(
+        "pp", {"dp": 1, "tp": 1, "pp": nproc}, per_rank, results, model, train, expected_bytes,
+        expected_memory, schedule=schedule, microbatches=microbatches,
+        stage_blocks=[[b.start, b.stop] for b in blocks],
+        bubble_fraction_measured=statistics.median(statistics.fmean(b) for b in timed),
+        bubble_fraction_measured_per_rank=[statistics.median(b[s] for b in timed) for s in range(nproc)],
+        bubble_fraction_expected=cost.pp_bubble_fraction(nproc, microbatches),
+        peak_microbatches_in_flight=[r["peak_in_flight"] for r in results],
+        peak_microbatches_in_flight_expected=[cost.pp_peak_microbatches_in_flight(nproc, microbatches, s, schedule)
+                                              for s in range(nproc)],
+        last_step_timeline=[[[a.kind, a.microbatch, s - t0, e - t0] for a, s, e in t] for t in last])
+
+
+register(Strategy("pp", run_pp, "pipeline parallel: one stage of blocks per rank, micro-batches on a schedule", (
+    Option("microbatches", int, 8, "micro-batches per step", low=1),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),
+)))

@@ -1,0 +1,137 @@
+"""Checked runs of 3D parallelism: data × pipeline × tensor parallel on one mesh, checkpoints too."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+from minitp import checkpoint, cost, layout
+from minitp import trace as _trace
+from minitp.launch import launch
+from minitp.mesh import Mesh
+from minitp.models import TrainConfig, build_model, get_config, synthetic_batches
+from minitp.parallel3d import Parallel3D, unshard_3d
+from minitp.references import full_batch
+from minitp.registry import COMMON, Option, Strategy, register
+from minitp.report import Report
+from minitp.runs.common import build_report, check_run, step_events, worker_summary
+
+
+def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, start_step: int,
+               resume_from: str | None, save_to: str | None) -> dict:
+    cfg = get_config(model_name)
+    mesh = Mesh(shape["dp"], shape["pp"], shape["tp"])
+    par = Parallel3D(build_model(cfg, seed=train.seed), mesh, lr=train.lr, **options)
+    if resume_from:
+        checkpoint.load(par, resume_from, expected_step=start_step)
+    losses, times = [], []
+    events = _trace.current().events
+    first = len(events)
+    for tokens, targets in synthetic_batches(cfg, train)[start_step:]:
+        t0 = time.perf_counter()
+        loss = par.train_step(tokens, targets)
+        times.append(time.perf_counter() - t0)
+        if loss is not None:  # only the last stage computes the loss
+            losses.append(loss)
+    last = len(events)
+    memory = par.held_bytes()  # before anything is gathered
+    if save_to:
+        checkpoint.save(par, save_to, step=train.steps)
+    return worker_summary(losses, times, memory, coords=[mesh.coords.dp, mesh.coords.pp, mesh.coords.tp],
+                          shards=par.local_shards(), steps_events=(first, last))
+
+
+def _bytes_by_dim(events) -> dict[str, float]:
+    """Bytes sent over each mesh dimension (the dimension each event's process group was named)."""
+    sent = {dim: row["sent_bytes"] for (dim,), row in _trace.totals(events, by=("dim",)).items()}
+    return {dim: sent.get(dim, 0.0) for dim in layout.DIMS}
+
+
+def _check_output_folder(name: str, path: str | None) -> None:
+    """Refuse a checkpoint folder that cannot be written, before anything trains."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name}={path!r} is a file; expected a folder to save the checkpoint into")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name}={path!r}: its parent folder {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)):
+        raise ValueError(f"{name}={path!r} is not writable")
+
+
+def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp: bool = False,
+           zero: int | None = None, steps: int = 4, microbatches: int | None = None, schedule: str = "1f1b",
+           model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
+           backend: str = "gloo", timeout: float = 300.0, resume_from: str | None = None,
+           save_to: str | None = None) -> Report:
+    """Train with ``minitp.parallel3d.Parallel3D`` on a dp × pp × tp mesh and report it against the
+    three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
+
+    nproc: dp · pp · tp (the default); another number is refused.
+    microbatches: per step, when pp > 1 (default: one sequence each, B/dp).
+    resume_from: a checkpoint (``minitp.checkpoint``, any layout) to start from, at the step it was
+        saved; the run then trains up to ``steps`` and is checked against the reference at ``steps``.
+    save_to: save a sharded checkpoint after the last step.
+    """
+    nproc = dp * pp * tp if nproc is None else nproc
+    train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
+    cfg = get_config(model)
+    layout.check_3d_layout(cfg, dp, pp, tp, nproc)
+    layout.check_batch(batch_size, dp)
+    data_parallel = "fsdp" if fsdp else "ddp"
+    zero = layout.check_zero(data_parallel, zero, pp)
+    if microbatches is None:
+        microbatches = batch_size // dp if pp > 1 else 1
+    if pp > 1:
+        layout.check_divisible(f"each replica's batch (batch_size={batch_size} / dp={dp})", batch_size // dp,
+                               "microbatches", microbatches)
+    _check_output_folder("save_to", save_to)
+    start_step = checkpoint.read_index(resume_from)["step"] if resume_from else 0
+    if not start_step < steps:
+        raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
+    options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule)
+    results = launch(_3d_worker, nproc, model, train, {"dp": dp, "pp": pp, "tp": tp}, options, start_step,
+                     resume_from, save_to, backend=backend, timeout=timeout, echo=False)
+    ran = steps - start_step
+    by_dim = []
+    for r in results:
+        d, s, _ = r["coords"]
+        by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
+                                             zero or 3, steps=ran, start_up=True, state_dict=True))
+    expected_memory = [cost.threed_memory_per_rank(cfg, dp, tp, pp, r["coords"][1], data_parallel, zero or 3)
+                       for r in results]
+    traced_by_dim = [_bytes_by_dim(t.events) for t in results.traces]
+    # the training steps alone, without DDP's start-up broadcast and FSDP's final gather (the planner's view)
+    per_step_by_dim = [{dim: b / ran for dim, b in _bytes_by_dim(step_events(r, t)).items()}
+                       for r, t in zip(results, results.traces)]
+    # each replica's whole model, from its stages' tp slices
+    replicas = []
+    for d in range(dp):
+        shards = [[results[layout.rank_of(d, s, t, pp, tp)]["shards"] for t in range(tp)] for s in range(pp)]
+        replicas.append(unshard_3d(shards))
+    per_rank = [{**{k: v for k, v in r.items() if k != "shards"}, "state": replicas[r["coords"][0]]} for r in results]
+    ref_losses, ref_state = full_batch(cfg, train)
+    return build_report(
+        "3d", {"dp": dp, "tp": tp, "pp": pp}, per_rank, results, model, replace(train, steps=ran),
+        [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses[start_step:], ref_state),
+        start_step=start_step, comm_bytes_traced_by_dim=traced_by_dim, comm_bytes_expected_by_dim=by_dim,
+        data_parallel=data_parallel, zero=zero, microbatches=microbatches if pp > 1 else None,
+        schedule=schedule if pp > 1 else None, end_step=steps, coords=[r["coords"] for r in results],
+        comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to)
+
+
+register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one mesh of dp*pp*tp ranks", (
+    Option("dp", int, 2, "data-parallel replicas", low=1),
+    Option("tp", int, 2, "tensor-parallel ranks per stage", low=1),
+    Option("pp", int, 2, "pipeline stages", low=1),
+    Option("fsdp", bool, False, "FSDP across replicas instead of DDP"),
+    Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
+    Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)", low=1,
+           optional=True),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),
+    Option("save_to", str, None, "save a sharded checkpoint into this folder after the last step", metavar="DIR"),
+    Option("resume_from", str, None, "start from a checkpoint (any layout)", metavar="DIR"),
+), common=tuple(replace(o, default=None, optional=True, help="number of processes (default dp*pp*tp)")
+                if o.name == "nproc" else o for o in COMMON)))
