@@ -10,10 +10,11 @@ STAMP  := $(VENV)/.installed-stamp
 export NO_MKDOCS_2_WARNING := 1
 
 help:
-	@echo "make lab        JupyterLab on the course notebooks (learn)"
+	@echo "make lab        JupyterLab on the repository: your copies in student/, the solved chapters in notebooks/"
 	@echo "make test       everything CI runs: library, oracles, notebooks (nbval), website build"
 	@echo "make site       build the website into site/"
-	@echo "make student    learner copies of the notebooks (no solutions) into student/"
+	@echo "make student    learner copies of the notebooks (no solutions) into student/; keeps copies you changed"
+	@echo "                (make student FRESH=1 overwrites them)"
 	@echo "make notebooks  re-execute every notebook in place (stored outputs)"
 	@echo "make browser-check  build the site, open every chapter in headless Chromium, screenshots in build/"
 	@echo "make bench      minitp against PyTorch's own implementations (not in CI)"
@@ -36,8 +37,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not site"
 
+# JupyterLab opens at the repository root, its file browser in student/ (the learner's copies, made
+# here when missing; a copy you changed is kept). MINITP_PROGRESS=1: runs of several seconds show a
+# live progress line (never stored: make notebooks and nbval run without it). Root (Docker, cloud
+# notebooks) needs --allow-root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/python -m minitp.exercises.student notebooks student --keep-changed
+	MINITP_PROGRESS=1 $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/student $(ALLOW_ROOT)
 
 site: $(STAMP)
 	$(BIN)/mkdocs build --strict
@@ -46,18 +54,20 @@ browser-check: site
 	$(BIN)/python tools/browser_check.py site --screenshots build/screenshots --notebooks notebooks
 
 student: $(STAMP)
-	$(BIN)/python -m minitp.exercises.student notebooks student
+	$(BIN)/python -m minitp.exercises.student notebooks student $(if $(FRESH),,--keep-changed)
 
 notebooks: $(STAMP)
 	for nb in notebooks/[0-9][0-9]_*.ipynb; do \
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; \
 	done
 
+# Every comparison (ring, DDP, FSDP, TP, PP; tiny and small models), alternating in one run:
+# one JSON line each, then build/bench.json and the table build/bench.md. About 10 minutes on 2 cores.
 bench: $(STAMP)
-	for b in ddp fsdp tp pp; do $(BIN)/python benchmarks/bench_$$b.py || exit 1; done
+	$(BIN)/python benchmarks/harness.py --out build/bench.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf site student build/screenshots .pytest_cache
+	rm -rf site build/screenshots .pytest_cache  # never student/: it holds the learner's work

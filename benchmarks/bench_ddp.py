@@ -1,92 +1,70 @@
-"""minitp DDP against torch.nn.parallel.DistributedDataParallel: same model, seed and data, same
-bucket size, alternating in one run on the same ranks, so both see the same machine load.
+"""minitp's DDP against ``torch.nn.parallel.DistributedDataParallel``: the same model, seed, data and
+bucket size, alternating in one run on the same ranks.
 
-    python benchmarks/bench_ddp.py [--nproc 4] [--rounds 12] [--steps 3] [--bucket-mb 25]
+    python benchmarks/bench_ddp.py [--models tiny,small] [--quick]
 
-Prints the median step time of each and the ratio minitp / PyTorch (below 1: minitp is faster).
+Two bucket caps per model: a quarter of the gradient bytes (several buckets, so the all-reduce of
+one overlaps the backward of the layers before it: what buckets are for) and twice the gradient
+bytes (one bucket, sent after the whole backward). PyTorch gets the cap for every bucket, its
+first included, and keeps its gradients as bucket views, as minitp does; minitp gets the size that
+makes its buckets PyTorch's (``_same_buckets_as_torch``), so both send the same all-reduces.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
+import sys
 
-import torch
-import torch.distributed as dist
+import harness
 
-import minitp
-from minitp.ddp import DistributedDataParallel, split_batch
-from minitp.models import TINY, TrainConfig, build_model, loss_fn, make_optimizer, synthetic_batches
-
-# Larger than the tiny model so that a step is compute and communication, not Python overhead.
-BENCH_MODEL = TINY.with_(vocab_size=512, dim=256, n_layers=4, n_heads=8, ffn_hidden=688, max_seq_len=64)
+BUCKETS = {"several-buckets": 0.25, "one-bucket": 2.0}  # bucket size / gradient bytes
 
 
-def _bench(rounds: int, steps: int, bucket_mb: float, batch_size: int) -> dict:
+def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=64)
-    batches = [(split_batch(x), split_batch(y)) for x, y in synthetic_batches(BENCH_MODEL, train)]
-    contenders = {}
-    for name in ("minitp", "torch"):
-        model = build_model(BENCH_MODEL, seed=0)
+    from minitp.ddp import DistributedDataParallel, split_batch
+    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+
+    steps_in_all = warmup + rounds * steps
+    cfg, train = get_config(model_name), harness.train_config(model_name, steps_in_all, harness.rows_for(model_name))
+    batches = [(split_batch(x), split_batch(y)) for x, y in synthetic_batches(cfg, train)]
+    cap = int(BUCKETS[buckets] * cfg.num_params() * 4)
+    minitp_mb = _same_buckets_as_torch(build_model(cfg, seed=train.seed), cap) / 2**20
+    sides = {}
+    for name in harness.SIDES:
+        model = build_model(cfg, seed=train.seed)
         if name == "minitp":
-            wrapped = DistributedDataParallel(model, bucket_mb=bucket_mb)
-        else:  # an explicit cap applies to PyTorch's first bucket too, so both send the same messages
-            wrapped = TorchDDP(model, bucket_cap_mb=bucket_mb)
-        contenders[name] = (model, wrapped, make_optimizer(model.parameters(), train.lr))
-    times = {name: [] for name in contenders}
+            wrapped = DistributedDataParallel(model, bucket_mb=minitp_mb)
+        else:
+            wrapped = TorchDDP(model, bucket_cap_mb=cap / 2**20, gradient_as_bucket_view=True)
+        optimizer = make_optimizer(model.parameters(), train.lr)
 
-    def step(name, x, y):
-        model, wrapped, optimizer = contenders[name]
-        optimizer.zero_grad()
-        loss_fn(wrapped(x), y).backward()
-        optimizer.step()
+        def step(i, wrapped=wrapped, optimizer=optimizer):
+            optimizer.zero_grad()
+            loss_fn(wrapped(batches[i][0]), batches[i][1]).backward()
+            optimizer.step()
 
-    for name in contenders:  # warm-up: first steps allocate
-        step(name, *batches[0])
-    for r in range(rounds):
-        order = ("minitp", "torch") if r % 2 == 0 else ("torch", "minitp")
-        for name in order:
-            for x, y in batches:
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(name, x, y)
-                times[name].append(time.perf_counter() - t0)
-    return {**times, "threads": torch.get_num_threads()}
+        sides[name] = harness.Side(step, model.state_dict)
+    return harness.time_sides(sides, rounds, steps, warmup)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
+def _same_buckets_as_torch(model, cap: int) -> int:
+    """The bucket size that gives minitp the buckets PyTorch makes under ``cap``: PyTorch closes a
+    bucket once it reaches the cap (so it may pass it), minitp before it would pass it, so at the
+    same cap minitp would send one more, smaller all-reduce. Capped at PyTorch's largest bucket,
+    minitp's buckets are PyTorch's, parameter for parameter (checked on both models)."""
+    import torch.distributed as dist
 
-    results = minitp.launch(_bench, args.nproc, args.rounds, args.steps, args.bucket_mb, args.batch_size,
-                            timeout=1800, echo=False)
-    # A step ends for everyone at the last all-reduce, so take the slowest rank's time per step.
-    per_step = {name: [max(r[name][i] for r in results) for i in range(len(results[0][name]))]
-                for name in ("minitp", "torch")}
-    med = {name: statistics.median(v) for name, v in per_step.items()}
-    ratio = med["minitp"] / med["torch"]
-    n_params = BENCH_MODEL.num_params()
-    print(f"DDP benchmark: {args.nproc} ranks (gloo, CPU, {results[0]['threads']} thread per rank), "
-          f"model {n_params:,} parameters, global batch {args.batch_size}x64, bucket {args.bucket_mb} MiB, "
-          f"{len(per_step['minitp'])} steps each, alternating")
-    print(f"  minitp DDP   median step {med['minitp'] * 1e3:8.1f} ms")
-    print(f"  PyTorch DDP  median step {med['torch'] * 1e3:8.1f} ms")
-    print(f"  ratio minitp / PyTorch = {ratio:.3f}  (target <= 1.05)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"nproc": args.nproc, "num_params": n_params, "median_s": med, "ratio": ratio,
-                       "step_s": per_step}, f, indent=2)
+    params = [p for p in model.parameters() if p.requires_grad][::-1]  # backward order
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, [cap], [False] * len(params))
+    return max(sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets)
+
+
+def comparisons(models: list[str]) -> list[harness.Comparison]:
+    return [harness.Comparison(f"ddp/{buckets}", model, 4, _worker, (model, buckets),
+                               note=f"bucket = {fraction:g} x gradient bytes")
+            for model in models for buckets, fraction in BUCKETS.items()]
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(["--only", "ddp", *sys.argv[1:]])

@@ -1,114 +1,102 @@
-"""minitp tensor parallel against PyTorch's (DTensor ``parallelize_module`` with ``ColwiseParallel`` /
-``RowwiseParallel``): the SwiGLU MLP and a whole transformer block, same weights and shapes,
-alternating in one run on the same ranks, so both see the same machine load.
+"""minitp's tensor parallel against PyTorch's (DTensor ``parallelize_module``): a whole training step
+of the whole model, the same weights, data and shards, alternating in one run on the same ranks.
 
-    python benchmarks/bench_tp.py [--nproc 4] [--rounds 10] [--steps 3] [--json PATH]
+    python benchmarks/bench_tp.py [--models tiny,small] [--quick]
 
-A step is forward and backward of one (B, S, D) batch. Prints the median step time of each and the
-ratio minitp / PyTorch (below 1: minitp is faster).
+Both split the embedding and the output layer over the vocabulary (the loss computed on vocabulary
+shards: minitp's ``vocab_parallel_cross_entropy``, DTensor's ``loss_parallel``), attention over its
+heads (wq, wk, wv column-parallel, wo row-parallel) and the MLP over its hidden units (w1, w3
+column, w2 row). Two DTensor plans:
+
+* **default-plan**: each column-parallel layer takes a replicated input on its own, so backward
+  all-reduces the input gradient of every one of them: 3 in attention and 2 in the MLP.
+* **same-messages**: ``PrepareModuleInput`` makes the input of attention and of the MLP one
+  replicated DTensor that the column layers share, so backward sums their input gradients first and
+  all-reduces once per module, as minitp (Megatron's f) does: the messages minitp sends.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
+import sys
 
-import torch
-import torch.distributed as dist
+import harness
 
-import minitp
-from minitp import tp
-from minitp.models import TINY, build_model
-
-# Larger than the tiny model, as in bench_ddp, so that a step is compute and communication.
-BENCH_MODEL = TINY.with_(vocab_size=512, dim=256, n_layers=1, n_heads=8, ffn_hidden=688, max_seq_len=64)
-PLAN = {"attention.wq": "col", "attention.wk": "col", "attention.wv": "col", "attention.wo": "row",
-        "feed_forward.w1": "col", "feed_forward.w3": "col", "feed_forward.w2": "row"}
+PLANS = ("same-messages", "default-plan")
 
 
-def _dtensor(block, mesh, mlp_only: bool):
-    """The block (or its MLP) under PyTorch's tensor parallel, the same plan as minitp's."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _dtensor_plan(same_messages: bool) -> tuple[dict, dict]:
+    """(the model-level plan, the plan of each block)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
-    if mlp_only:
-        plan = {k.split(".", 1)[1]: styles[v]() for k, v in PLAN.items() if k.startswith("feed_forward")}
-        return parallelize_module(block.feed_forward, mesh, plan)
-    parallelize_module(block, mesh, {k: styles[v]() for k, v in PLAN.items()})
-    for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
-        linear.out_features //= mesh.size()  # the plain forward reads its local head count off these
-    return block
+    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows; output all-reduced
+           "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # logits (B, S, V/tp)
+    block = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+             "feed_forward.w2": RowwiseParallel()}
+    if same_messages:
+        shared = dict(desired_input_layouts=(Replicate(),), use_local_output=False)
+        inputs = (Replicate(), None, None, None)  # attention(x, cos, sin, cache): only x is laid out
+        block["attention"] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs,
+                                                use_local_output=False)
+        block["feed_forward"] = PrepareModuleInput(input_layouts=(Replicate(),), **shared)
+    return top, block
 
 
-def _bench(rounds: int, steps: int, batch_size: int, seq_len: int) -> dict:
+def _worker(model_name: str, plan: str, rounds: int, steps: int, warmup: int) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(BENCH_MODEL)
-    cos, sin = model.rope_cos[:seq_len], model.rope_sin[:seq_len]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, seq_len, BENCH_MODEL.dim, generator=g).requires_grad_()
-    contenders = {}
-    for piece in ("mlp", "block"):
-        minitp_block = build_model(BENCH_MODEL).layers[0]
-        if piece == "mlp":
-            contenders[("minitp", piece)] = tp.ParallelFeedForward(minitp_block.feed_forward, None)
-        else:
-            contenders[("minitp", piece)] = tp.parallelize(build_model(BENCH_MODEL), None).layers[0]
-        contenders[("torch", piece)] = _dtensor(build_model(BENCH_MODEL).layers[0], mesh, piece == "mlp")
+    from minitp import tp
+    from minitp.models import build_model, get_config, make_optimizer, synthetic_batches
 
-    def step(key):
-        module = contenders[key]
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        y = module(x) if key[1] == "mlp" else module(x, cos, sin)
-        y.pow(2).mean().backward()
+    steps_in_all = warmup + rounds * steps
+    cfg, train = get_config(model_name), harness.train_config(model_name, steps_in_all, harness.rows_for(model_name))
+    batches = synthetic_batches(cfg, train)
+    tp_size = dist.get_world_size()
 
-    times = {f"{who}/{piece}": [] for who, piece in contenders}
-    for key in contenders:  # warm-up: first steps allocate
-        step(key)
-    for r in range(rounds):
-        for piece in ("mlp", "block"):
-            order = ("minitp", "torch") if r % 2 == 0 else ("torch", "minitp")
-            for who in order:
-                for _ in range(steps):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    step((who, piece))
-                    times[f"{who}/{piece}"].append(time.perf_counter() - t0)
-    return times
+    ours = tp.parallelize(build_model(cfg, seed=train.seed), None)
+    ours_opt = make_optimizer(ours.parameters(), train.lr)
+
+    def minitp_step(i):
+        tokens, targets = batches[i]
+        ours_opt.zero_grad()
+        tp.vocab_parallel_cross_entropy(ours(tokens), targets, None).backward()  # logits (B, S, V/tp)
+        ours_opt.step()
+
+    mesh = init_device_mesh("cpu", (tp_size,))
+    theirs = build_model(cfg, seed=train.seed)
+    top, block_plan = _dtensor_plan(plan == "same-messages")
+    parallelize_module(theirs, mesh, top)
+    for block in theirs.layers:
+        parallelize_module(block, mesh, block_plan)
+        for linear in (block.attention.wq, block.attention.wk, block.attention.wv):
+            linear.out_features //= tp_size  # the plain forward reads its local head counts off these
+    theirs_opt = make_optimizer(theirs.parameters(), train.lr)
+
+    def torch_step(i):
+        tokens, targets = batches[i]
+        theirs_opt.zero_grad()
+        with loss_parallel():
+            F.cross_entropy(theirs(tokens).flatten(0, 1), targets.flatten()).backward()
+        theirs_opt.step()
+
+    def local(model):  # this rank's shards, under the plain model's names
+        return {k: p.to_local() if isinstance(p, DTensor) else p for k, p in model.named_parameters()}
+
+    sides = {"minitp": harness.Side(minitp_step, lambda: local(ours)),
+             "torch": harness.Side(torch_step, lambda: local(theirs))}
+    return harness.time_sides(sides, rounds, steps, warmup)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
-
-    results = minitp.launch(_bench, args.nproc, args.rounds, args.steps, args.batch_size, args.seq_len,
-                            timeout=1800, echo=False)
-    # A step ends for everyone at its last collective, so take the slowest rank's time per step.
-    per_step = {k: [max(r[k][i] for r in results) for i in range(len(results[0][k]))] for k in results[0]}
-    med = {k: statistics.median(v) for k, v in per_step.items()}
-    ratio = {piece: med[f"minitp/{piece}"] / med[f"torch/{piece}"] for piece in ("mlp", "block")}
-    cfg = BENCH_MODEL
-    print(f"TP benchmark: {args.nproc} ranks (gloo, CPU, 1 thread per rank), x ({args.batch_size}, {args.seq_len}, "
-          f"{cfg.dim}), {cfg.n_heads} heads, MLP hidden {cfg.ffn_hidden}, forward + backward, "
-          f"{len(per_step['minitp/mlp'])} steps each, alternating")
-    for piece in ("mlp", "block"):
-        ours, theirs = med[f"minitp/{piece}"], med[f"torch/{piece}"]
-        print(f"  {piece:<5}  minitp {ours * 1e3:8.2f} ms   DTensor {theirs * 1e3:8.2f} ms   "
-              f"ratio minitp / PyTorch = {ratio[piece]:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"nproc": args.nproc, "median_s": med, "ratio": ratio, "step_s": per_step}, f, indent=2)
+def comparisons(models: list[str]) -> list[harness.Comparison]:
+    return [harness.Comparison(f"tp/{plan}", model, 4, _worker, (model, plan), note=f"vs DTensor, {plan}")
+            for model in models for plan in PLANS]
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(["--only", "tp", *sys.argv[1:]])

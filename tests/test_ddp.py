@@ -232,3 +232,30 @@ def _bad_bucket(mb):
 def test_bucket_size_must_be_positive(mb):
     with pytest.raises(minitp.RankError, match=f"bucket_mb must be > 0, got {mb}"):
         minitp.launch(_bad_bucket, 1, mb, echo=False)
+
+
+def _gradient_storage(set_to_none):
+    """Train with minitp DDP; after each step, where each gradient lives."""
+    model = build_model(TINY, seed=TRAIN.seed)
+    ddp = DistributedDataParallel(model, bucket_mb=BUCKETS["two"])
+    optimizer = make_optimizer(model.parameters(), TRAIN.lr)
+    addresses = []
+    for tokens, targets in synthetic_batches(TINY, TRAIN):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss_fn(ddp(split_batch(tokens)), split_batch(targets)).backward()
+        optimizer.step()
+        addresses.append([p.grad.data_ptr() for p in model.parameters()])
+    buckets = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in ddp.buckets]
+    in_a_bucket = [any(lo <= p.grad.data_ptr() < hi for lo, hi in buckets) for p in model.parameters()]
+    return {"in_a_bucket": in_a_bucket, "addresses": addresses, "state": model.state_dict()}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_are_views_into_the_buckets_so_no_step_allocates_one(set_to_none, reference):
+    """As PyTorch's gradient_as_bucket_view: each param.grad is its slice of a bucket, the same
+    memory every step; training still matches one process."""
+    results = minitp.launch(_gradient_storage, 2, set_to_none, echo=False)
+    for r in results:
+        assert all(r["in_a_bucket"])
+        assert all(step == r["addresses"][0] for step in r["addresses"])
+        assert runs.max_abs_diff(r["state"], reference[1]) <= 1e-5

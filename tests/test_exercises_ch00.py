@@ -204,3 +204,62 @@ def test_ring_bytes_accepts_the_right_answer(capsys):
 def test_ring_bytes_catches_mistake(fn, expected):
     with pytest.raises(ExerciseError, match=expected):
         ch00.check_ring_bytes(fn)
+
+
+# -- exercise 4: a tree broadcast (4 and 6 processes) ----------------------------------------------
+def tree_broadcast(tensor, src, *, copy_back=True):
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    me = (rank - src) % n
+    have = tensor if copy_back else tensor.clone()  # planted: received into a copy, never written back
+    step = 1
+    while step < n:
+        if me < step and me + step < n:
+            comm.send(have, (rank + step) % n)
+        elif step <= me < 2 * step:
+            comm.recv(have, (rank - step) % n)
+        step *= 2
+
+
+def linear_broadcast(tensor, src):  # src sends to every rank itself: n-1 messages from one rank
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if rank == src:
+        for dst in range(n):
+            if dst != src:
+                comm.send(tensor, dst)
+    else:
+        comm.recv(tensor, src)
+
+
+def chain_broadcast(tensor, src):  # each rank passes it on: n-1 messages deep
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    me = (rank - src) % n
+    if me:
+        comm.recv(tensor, (rank - 1) % n)
+    if me < n - 1:
+        comm.send(tensor, (rank + 1) % n)
+
+
+def broadcast_with_collective(tensor, src):
+    comm.broadcast(tensor, src=src)
+
+
+def test_tree_broadcast_passes(capsys):
+    ch00.check_tree_broadcast(tree_broadcast)
+    assert "[ok] tree broadcast" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda t, s: tree_broadcast(t, s, copy_back=False), "rank 1 ends with zeros"),
+    (linear_broadcast, "rank 0 sent 3 messages"),
+    (chain_broadcast, "a chain"),
+    (broadcast_with_collective, "called broadcast"),
+])
+def test_tree_broadcast_mistakes_caught(fn, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch00.check_tree_broadcast(fn, runs=((4, 0),))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minitp import comm
+from minitp import comm, ddp
 from minitp.exercises import ExerciseError, ch01
 
 
@@ -187,3 +187,102 @@ def test_bytes_mistakes_caught(fn, message):
 def test_bytes_right_passes(capsys):
     ch01.check_ddp_bytes(bytes_right)
     assert "[ok] DDP bytes per step" in capsys.readouterr().out
+
+
+# -- exercise 4: bucketed DDP with gradient hooks (runs on 2 processes) ----------------------------
+class BucketedDDP:
+    """The answer the notebook gives: a bucket is all-reduced from the hook of its last gradient."""
+
+    mean, launch_in_hook, skip_bucket = True, True, None
+
+    def __init__(self, model, bucket_bytes):
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = ddp.make_buckets(params[::-1], bucket_bytes)
+        self.launched = []
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready = [0] * len(self.buckets)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    def on_grad_ready(self, param):
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]) and self.launch_in_hook:
+            self.launch(i)
+
+    def launch(self, i):
+        if i == self.skip_bucket:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+        if self.mean:
+            flat /= comm.group_size()
+        self.launched.append((i, flat, comm.all_reduce(flat, label=f"bucket{i}", async_op=True)))
+
+    def finish(self):
+        if not self.launch_in_hook:
+            for i in range(len(self.buckets)):
+                self.launch(i)
+        for i, flat, handle in self.launched:
+            handle.wait()
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.launched.clear()
+        self.ready = [0] * len(self.buckets)
+
+
+class SumsDDP(BucketedDDP):
+    mean = False
+
+
+class BucketNeverLaunched(BucketedDDP):
+    skip_bucket = 1
+
+
+class AllReduceAfterBackward(BucketedDDP):
+    launch_in_hook = False
+
+
+class NeverResets(BucketedDDP):
+    def finish(self):
+        ready = self.ready
+        super().finish()
+        self.ready = ready  # the next step's counts start where this one's ended: no bucket fires
+
+
+class OnePerParameter(BucketedDDP):
+    def on_grad_ready(self, param):
+        flat = param.grad.reshape(-1) / comm.group_size()
+        self.launched.append((None, flat, comm.all_reduce(flat, async_op=True)))
+        self.pending = getattr(self, "pending", []) + [param]
+
+    def finish(self):
+        for (_, flat, handle), p in zip(self.launched, self.pending):
+            handle.wait()
+            p.grad.copy_(flat.view_as(p))
+        self.launched.clear()
+        self.pending = []
+
+
+class StubDDP:
+    def __init__(self, model, bucket_bytes):
+        raise NotImplementedError
+
+
+def test_bucketed_ddp_passes(capsys):
+    ch01.check_bucketed_ddp(BucketedDDP, nprocs=(2,))
+    assert "[ok] bucketed DDP" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls, message", [
+    (SumsDDP, "SUM over the ranks"),
+    (BucketNeverLaunched, "never all-reduced"),
+    (AllReduceAfterBackward, "after backward ended"),
+    (NeverResets, "step 1"),
+    (OnePerParameter, "one per bucket"),
+    (StubDDP, "not done yet"),
+])
+def test_bucketed_ddp_mistakes_caught(cls, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch01.check_bucketed_ddp(cls, nprocs=(2,))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitp import comm
+from minitp import comm, cost
 from minitp.exercises import ExerciseError, ch02
 
 
@@ -196,3 +196,133 @@ def _stub(psi, n, zero):
 def test_memory_per_rank_catches_mistake(fn, expected):
     with pytest.raises(ExerciseError, match=expected):
         ch02.check_memory_per_rank(fn)
+
+
+# -- exercise 4: one ZeRO-3 unit (runs on 4 and 3 processes) ----------------------------------------
+class GatherRunFree(torch.autograd.Function):
+    """The notebook's answer: gather, run, free; in backward gather again, rerun, reduce-scatter."""
+
+    mean = True
+
+    @staticmethod
+    def forward(ctx, shard, x, unit):
+        full = unit.gather(shard, "forward")
+        y = unit.run(full, x)
+        ctx.unit = unit
+        ctx.save_for_backward(shard, x)
+        return y  # `full` goes out of scope here: freed
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        shard, x = ctx.saved_tensors
+        unit = ctx.unit
+        full = unit.gather(shard, "backward")
+        with torch.enable_grad():
+            full.requires_grad_(True)
+            x = x.detach().requires_grad_(True)
+            y = unit.run(full, x)
+        grad_full, grad_x = torch.autograd.grad(y, (full, x), grad_y)
+        if unit.mean:
+            grad_full = grad_full / unit.n
+        grad_shard = torch.empty_like(shard)
+        comm.reduce_scatter(grad_shard, grad_full, group=unit.group)
+        return grad_shard, grad_x, None
+
+
+class KeepsGathered(torch.autograd.Function):
+    """Saves the gathered parameters for backward instead of freeing them (and gathers nothing there)."""
+
+    @staticmethod
+    def forward(ctx, shard, x, unit):
+        full = unit.gather(shard, "forward")
+        ctx.unit = unit
+        ctx.save_for_backward(shard, x, full)
+        return unit.run(full, x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        shard, x, full = ctx.saved_tensors
+        unit = ctx.unit
+        with torch.enable_grad():
+            full = full.detach().requires_grad_(True)
+            x = x.detach().requires_grad_(True)
+            y = unit.run(full, x)
+        grad_full, grad_x = torch.autograd.grad(y, (full, x), grad_y)
+        grad_shard = torch.empty_like(shard)
+        comm.reduce_scatter(grad_shard, grad_full / unit.n, group=unit.group)
+        return grad_shard, grad_x, None
+
+
+class FSDPUnit(torch.nn.Module):
+    function = GatherRunFree
+    mean = True
+
+    def __init__(self, module, group=None):
+        super().__init__()
+        self.module, self.group = module, group
+        self.n, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.shapes = {name: p.shape for name, p in module.named_parameters()}
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        flat = torch.nn.functional.pad(flat, (0, cost.padded_numel(flat.numel(), self.n) - flat.numel()))
+        self.shard = torch.nn.Parameter(self.keep(flat).clone())
+
+    def keep(self, flat):
+        k = flat.numel() // self.n
+        return flat[self.rank * k:(self.rank + 1) * k]
+
+    def gather(self, shard, label):
+        full = torch.empty(shard.numel() * self.n)
+        comm.all_gather(full, shard.detach(), group=self.group, label=label)
+        return full
+
+    def run(self, full, x):
+        params, offset = {}, 0
+        for name, shape in self.shapes.items():
+            params[name] = full[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return torch.func.functional_call(self.module, params, (x,))
+
+    def forward(self, x):
+        return self.function.apply(self.shard, x, self)
+
+
+class UnitSums(FSDPUnit):
+    mean = False
+
+
+class UnitKeepsGathered(FSDPUnit):
+    function = KeepsGathered
+
+
+class UnitWrongShard(FSDPUnit):
+    def keep(self, flat):
+        k = flat.numel() // self.n
+        other = self.n - 1 - self.rank
+        return flat[other * k:(other + 1) * k]
+
+
+class UnitStridedShard(FSDPUnit):
+    def keep(self, flat):
+        return flat[self.rank::self.n]
+
+
+class UnitStub(FSDPUnit):
+    def __init__(self, module, group=None):
+        raise NotImplementedError
+
+
+def test_fsdp_unit_passes(capsys):
+    ch02.check_fsdp_unit(FSDPUnit)
+    assert "[ok] FSDP unit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls, message", [
+    (UnitSums, "SUM over the ranks"),
+    (UnitKeepsGathered, "still held"),
+    (UnitWrongShard, "rank 1's slice"),
+    (UnitStridedShard, "strided"),
+    (UnitStub, "not done yet"),
+])
+def test_fsdp_unit_mistakes_caught(cls, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch02.check_fsdp_unit(cls, nprocs=(2,))

@@ -5,6 +5,7 @@ import torch
 
 from minitp import comm
 from minitp.exercises import ExerciseError, ch03
+from minitp.exercises.heads import causal_attention
 
 
 # -- the row-parallel forward --------------------------------------------------------------------
@@ -133,3 +134,39 @@ def test_pair_bytes_accepts_the_formula(capsys):
 def test_pair_bytes_catches_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         ch03.check_pair_bytes(answer)
+
+
+# -- exercise 4: attention split by heads (2 and 4 processes) --------------------------------------
+def heads_attention(x, wq, wk, wv, wo, n_heads, group, *, f=True, g=True, split_dim=0):
+    B, S, D = x.shape
+    n, r = comm.group_size(group), comm.group_rank(group)
+    dh, h = wq.shape[0] // n_heads, n_heads // n
+    mine = slice(r * h * dh, (r + 1) * h * dh)
+    if f:
+        x = comm.copy_to_parallel(x, group)
+
+    def heads(w):
+        w = w[mine] if split_dim == 0 else w[:, mine].T  # planted: the input features split instead
+        return (x @ w.T).view(B, S, h, dh).transpose(1, 2)
+
+    out = causal_attention(heads(wq), heads(wk), heads(wv)).transpose(1, 2).reshape(B, S, h * dh)
+    partial = out @ wo[:, mine].T
+    return comm.reduce_from_parallel(partial, group) if g else partial
+
+
+def test_parallel_attention_passes(capsys):
+    ch03.check_parallel_attention(heads_attention)
+    assert "[ok] attention split by heads" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"g": False}, "never added up"),
+    ({"f": False}, "copy_to_parallel"),
+    ({"split_dim": 1}, "along dim 0"),
+])
+def test_parallel_attention_mistakes_caught(kwargs, message):
+    def answer(*args):
+        return heads_attention(*args, **kwargs)
+
+    with pytest.raises(ExerciseError, match=message):
+        ch03.check_parallel_attention(answer, nprocs=(2,))

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from minitp import comm
 from minitp.exercises import ExerciseError, ch04
+from minitp.exercises.heads import causal_attention
 
 
 # -- splitting the weights -------------------------------------------------------------------------
@@ -117,3 +118,48 @@ def test_swiglu_bytes_accepts_the_formula(capsys):
 def test_swiglu_bytes_catches_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         ch04.check_swiglu_bytes_per_rank(answer)
+
+
+# -- exercise 4: grouped-query attention split by heads (2 processes) ------------------------------
+def gqa_attention(x, wq, wk, wv, wo, n_heads, n_kv_heads, group, *, g=True, repeat="interleave",
+                  kv_like_q=False):
+    B, S, D = x.shape
+    n, r = comm.group_size(group), comm.group_rank(group)
+    dh = wq.shape[0] // n_heads
+    hq, hkv = n_heads // n, n_kv_heads // n
+    q_rows = slice(r * hq * dh, (r + 1) * hq * dh)
+    kv_rows = q_rows if kv_like_q else slice(r * hkv * dh, (r + 1) * hkv * dh)
+    x = comm.copy_to_parallel(x, group)
+
+    def heads(w, rows):
+        w = w[rows]
+        return (x @ w.T).view(B, S, w.shape[0] // dh, dh).transpose(1, 2)
+
+    q, k, v = heads(wq, q_rows), heads(wk, kv_rows), heads(wv, kv_rows)
+    group_size = q.shape[1] // k.shape[1]
+    if repeat == "interleave":
+        k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
+    elif repeat == "tile":  # planted: heads 0,1,0,1 instead of 0,0,1,1
+        k, v = k.repeat(1, group_size, 1, 1), v.repeat(1, group_size, 1, 1)
+    out = causal_attention(q, k, v).transpose(1, 2).reshape(B, S, hq * dh)
+    partial = out @ wo[:, q_rows].T
+    return comm.reduce_from_parallel(partial, group) if g else partial
+
+
+def test_gqa_attention_passes(capsys):
+    ch04.check_gqa_attention(gqa_attention)
+    assert "[ok] grouped-query attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"repeat": None}, "repeat it for its group"),
+    ({"repeat": "tile"}, "j // \\(H/Hkv\\)"),
+    ({"kv_like_q": True}, "key/value heads \\[r·Hkv/n"),
+    ({"g": False}, "never added up"),
+])
+def test_gqa_attention_mistakes_caught(kwargs, message):
+    def answer(*args):
+        return gqa_attention(*args, **kwargs)
+
+    with pytest.raises(ExerciseError, match=message):
+        ch04.check_gqa_attention(answer)

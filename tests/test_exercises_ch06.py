@@ -147,3 +147,60 @@ def _stub(*args):
 def test_a_stub_is_not_done_yet(checker):
     with pytest.raises(ExerciseError, match="not done yet"):
         checker(_stub)
+
+
+# -- exercise 4: the mesh's process groups, created for real (8 processes) -------------------------
+def make_groups(dp, pp, tp, *, order="tp", wrong_pp=False):
+    import torch.distributed as dist
+
+    def at(d, p, t):
+        return (d * pp + p) * tp + t if order == "tp" else (t * pp + p) * dp + d  # planted: dp fastest
+
+    lists = {
+        "tp": [[at(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+        "pp": [[at(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "dp": [[at(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+    }
+    if wrong_pp:  # planted: the stages of a replica taken as consecutive ranks
+        lists["pp"] = [list(range(i * pp, (i + 1) * pp)) for i in range(dp * tp)]
+    rank, mine = dist.get_rank(), {}
+    for dim in ("tp", "pp", "dp"):
+        for ranks in lists[dim]:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[dim] = (ranks, group)
+    return mine
+
+
+def test_make_groups_passes(capsys):
+    ch06.check_make_groups(make_groups)
+    assert "[ok] the mesh's process groups" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"order": "dp"}, "dp vary fastest"),
+    ({"wrong_pp": True}, "the pp group is"),
+])
+def test_make_groups_mistakes_caught(kwargs, message):
+    def answer(dp, pp, tp):
+        return make_groups(dp, pp, tp, **kwargs)
+
+    with pytest.raises(ExerciseError, match=message):
+        ch06.check_make_groups(answer, layouts=((2, 2, 2),))
+
+
+def test_make_groups_hang_is_named_when_a_rank_skips_other_groups():
+    def own_groups_only(dp, pp, tp):  # new_group is collective over the world: skipping one hangs
+        import torch.distributed as dist
+
+        from minitp.layout import group_lists
+
+        rank, mine = dist.get_rank(), {}
+        for dim, lists in group_lists(dp, pp, tp).items():
+            for ranks in lists:
+                if rank in ranks:
+                    mine[dim] = (ranks, dist.new_group(ranks))
+        return mine
+
+    with pytest.raises(ExerciseError, match="hung .* called by EVERY rank for EVERY group"):
+        ch06.check_make_groups(own_groups_only, layouts=((2, 2, 2),), timeout=10)

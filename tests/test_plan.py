@@ -49,7 +49,7 @@ def test_llama3_8b_fits_64_gpus_of_80_gib_and_sharding_cuts_the_states():
     assert zero3["memory_states"] == pytest.approx(ddp["memory_states"] / 8, rel=0.01)
 
 
-def test_llama3_70b_needs_recomputation_on_64_gpus_of_80_gib():
+def test_llama3_70b_needs_recomputation_on_64_gpus_of_80_gib_without_sequence_parallel():
     assert plan.plan(LLAMA3_70B, 64, 80) == []
     rows = plan.plan(LLAMA3_70B, 64, 80, recompute=True)
     assert rows and all(r["memory_total"] <= 80 * plan.GIB for r in rows)
@@ -84,3 +84,31 @@ def test_the_static_table_and_the_explorer_show_the_same_layouts():
     assert "llama3-8b: 8.03 B parameters" in shown
     ui.children[0].children[0].value = "llama3-70b"  # the table follows the widgets
     assert "llama3-70b: 70.55 B parameters" in ui.children[-1].value
+
+
+def test_cli_plan_70b_with_sequence_parallel_lists_layouts_with_step_time_and_mfu(capsys, tmp_path):
+    args = ["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu-memory", "80", "--sequence-parallel"]
+    assert cli.main(args + ["--json", str(tmp_path / "sp.json")]) == 0
+    out = capsys.readouterr().out
+    assert "step s" in out and "MFU" in out and "no layout fits" not in out
+    import json
+
+    rows = json.loads((tmp_path / "sp.json").read_text())["layouts"]
+    assert rows and all(r["fits"] and r["recompute"] == "none" for r in rows)
+    for key in ("memory", "memory_total", "bytes_per_step", "step_s", "mfu", "time"):
+        assert all(key in r for r in rows), key
+    assert cli.main(args + ["--recompute", "--json", str(tmp_path / "full.json")]) == 0
+    full = {(r["dp"], r["pp"], r["tp"]): r for r in json.loads((tmp_path / "full.json").read_text())["layouts"]}
+    for r in rows:  # the same layout sends more over tp: forward's collectives again
+        assert full[(r["dp"], r["pp"], r["tp"])]["bytes_per_step"]["tp"] > r["bytes_per_step"]["tp"]
+    assert cli.main(args + ["--recompute", "--selective-recompute"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_selective_recomputation_keeps_the_memory_of_flash_attention_and_full_the_least():
+    rows = {mode: plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192, recompute=mode, flash_attention=False)
+            for mode in ("none", "selective", "full")}
+    flash = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192)
+    act = {mode: r["memory"]["activations"] for mode, r in rows.items()}
+    assert act["none"] > act["selective"] == flash["memory"]["activations"] > act["full"]
+    assert rows["none"]["step_s"] < rows["selective"]["step_s"] < rows["full"]["step_s"]

@@ -100,8 +100,12 @@ def test_bad_input_gets_a_clear_error():
         pp.stage_blocks(4, 5)
     with pytest.raises(ValueError, match="batch_size=10 is not divisible by microbatches=4"):
         pp.split_microbatches(torch.zeros(10, 16), 4)
-    with pytest.raises(ValueError, match="unknown schedule 'zb'"):
-        pp.make_schedule("zb", 2, 4)
+    with pytest.raises(ValueError, match="unknown schedule 'zb-v'"):
+        pp.make_schedule("zb-v", 2, 4)
+    with pytest.raises(ValueError, match="microbatches=6 is not divisible by pp=4"):
+        pp.make_schedule("interleaved", 4, 6, virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages=2 is for the interleaved schedule"):
+        pp.make_schedule("1f1b", 4, 8, virtual_stages=2)
     with pytest.raises(ValueError, match="microbatches must be an integer >= 1, got 0"):
         one_f_one_b(2, 0)
 

@@ -84,6 +84,8 @@ def make_chapter(path: Path, title: str, png: str) -> None:
                "data": {"image/png": png, "text/plain": ["<Figure size 320x200 with 1 Axes>"]}}]),
         cell("code", "def ring_step(x):\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION\n",
              []),
+        cell("code", "ch00.check_ring_step(ring_step)",
+             [{"name": "stdout", "output_type": "stream", "text": ["[ok] ring step: correct\n"]}]),
         cell("markdown", "<details><summary>Answer</summary>\n\nAdd one: `x + 1`.\n\n</details>"),
     ]
     notebook = {
@@ -148,6 +150,20 @@ def test_chapter_page_shows_stored_outputs_and_offers_the_notebook(toy_site):
     assert (page.parent / "00_toy_collectives.ipynb").is_file()
 
 
+def test_exercise_shows_its_stub_and_folds_the_answer_with_the_checker_output(toy_site):
+    page = toy_site / "notebooks" / "00_toy_collectives" / "index.html"
+    html = page.read_text(encoding="utf-8")
+    folds = re.findall(r'<details class="minitp-answer"><summary>Show a worked answer</summary>(.*?)</details>',
+                       html, flags=re.DOTALL)
+    assert len(folds) == 1
+    assert "[ok] ring step: correct" in folds[0] and "BEGIN SOLUTION" in folds[0]  # answer and verdict
+    outside = html.replace(folds[0], "")
+    assert "[ok]" not in outside and "BEGIN SOLUTION" not in outside
+    assert "NotImplementedError" in outside  # the stub, in plain view before the fold
+    published = (page.parent / "00_toy_collectives.ipynb").read_text(encoding="utf-8")
+    assert "[ok]" not in published and "return x + 1" not in published  # the download is the learner's copy
+
+
 def test_index_links_existing_chapters_and_marks_the_rest_in_preparation(toy_site):
     html = (toy_site / "index.html").read_text(encoding="utf-8")
     assert 'href="notebooks/00_toy_collectives/"' in html
@@ -192,7 +208,8 @@ def assert_pages_pass(reports) -> None:
 @pytest.mark.timeout(900)
 def test_toy_chapter_pages_render_in_chromium(toy_course, toy_site):
     chromium = chromium_or_skip()
-    reports = browser_check.check_site(toy_site, toy_course / "shots", toy_course / "notebooks", chromium)
+    reports = browser_check.check_site(toy_site, toy_course / "shots", toy_course / "notebooks", chromium,
+                                       fold_screenshots=True)
     assert [report.page for report in reports] == [
         "index.html",
         "notebooks/00_toy_collectives/index.html",
@@ -202,6 +219,10 @@ def test_toy_chapter_pages_render_in_chromium(toy_course, toy_site):
     chapter = reports[1]
     assert chapter.figures_in_page == 1 and chapter.figures_decoded == 1 and chapter.formulas_expected == 2
     assert chapter.figure_screenshot is not None and chapter.figure_screenshot.is_file()
+    # the answer is folded when the page loads and opens on a click, on a desktop and a phone
+    assert chapter.folds_expected == chapter.folds_in_page == chapter.folds_closed == chapter.folds_opened == 1
+    assert [shot.name for shot in chapter.fold_screenshots] == [
+        "00_toy_collectives-first-answer-1280px.png", "00_toy_collectives-first-answer-390px.png"]
     if browser_check_has_local_mathjax(toy_site) or REQUIRE_BROWSER:
         assert chapter.formulas_typeset >= 2
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +159,181 @@ def test_a_stub_run_by_a_checker_on_several_processes_is_reported_as_not_done_ye
 
     with pytest.raises(ExerciseError, match="not done yet"):
         ch00.check_ring_all_reduce(ring_all_reduce)
+
+
+# -- answer-derived cells, Run All, clean failures, the website's form ------------------------------------
+def answers_notebook() -> nbformat.NotebookNode:
+    """An exercise whose answer shows up in four later cells, and two cells that must stay as they are."""
+    out = lambda text: [nbformat.v4.new_output("stream", name="stdout", text=text)]  # noqa: E731
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("### Exercise — the bubble"),
+        nbformat.v4.new_code_cell("def bubble(p, m):\n    ### BEGIN SOLUTION\n    return (p - 1) / (m + p - 1)\n"
+                                  "    ### END SOLUTION", execution_count=1),
+        nbformat.v4.new_code_cell("ch05.check_bubble(bubble)", execution_count=2,
+                                  outputs=out("[ok] bubble fraction: correct\n")),
+        nbformat.v4.new_code_cell("predicted = {m: bubble(2, m) for m in (1, 2)}", execution_count=3),
+        nbformat.v4.new_code_cell("print(predicted)", execution_count=4, outputs=out("{1: 0.5, 2: 0.333}\n")),
+        nbformat.v4.new_code_cell("%matplotlib inline\nfor m in (1, 2):\n    print(m)", execution_count=5,
+                                  outputs=out("1\n2\n")),
+        nbformat.v4.new_code_cell("predicted = 3\nprint(predicted)", execution_count=6, outputs=out("3\n")),
+    ]
+    return notebook
+
+
+def test_cells_that_check_or_use_an_answer_lose_their_outputs_and_let_run_all_go_on():
+    original = json.loads(nbformat.writes(answers_notebook()))
+    assert student.answer_cells(original) == {1: "answer", 2: "checker", 3: "uses bubble", 4: "uses predicted"}
+    copy, regions, cells = student.student_notebook(original)
+    assert (regions, cells) == (1, 1)
+    for index in (1, 2, 3, 4):  # the verdict, and a number computed from the answer, are gone
+        assert copy["cells"][index]["outputs"] == [] and copy["cells"][index]["execution_count"] is None
+        assert student.CONTINUE_TAG in copy["cells"][index]["metadata"]["tags"]
+    assert copy["cells"][5] == original["cells"][5]  # its own loop variable m is not the answer's
+    assert copy["cells"][6] == original["cells"][6]  # `predicted` bound again, without the answer
+
+
+def test_website_form_shows_the_stub_and_tags_the_answer_and_its_checker_for_the_fold():
+    web, folds = student.website_notebook(json.loads(nbformat.writes(answers_notebook())))
+    assert folds == 1  # cells 1-4 follow one another: one fold
+    tags = [cell.get("metadata", {}).get("tags", []) for cell in web["cells"]]
+    assert tags[1] == [student.STUB_TAG] and STUB in "".join(web["cells"][1]["source"])
+    assert web["cells"][1]["outputs"] == []
+    assert [student.ANSWER_TAG in t for t in tags[2:]] == [True, True, True, True, False, False]
+    assert "[ok] bubble fraction" in "".join(web["cells"][3]["outputs"][0]["text"])  # kept, inside the fold
+
+
+def test_a_changed_learner_copy_is_kept_unless_forced(tmp_path):
+    source = tmp_path / "notebooks"
+    source.mkdir()
+    nbformat.write(answers_notebook(), source / "05_bubble.ipynb")
+    [first] = write_student_copies(source, tmp_path / "student")
+    first.target.write_text(first.target.read_text().replace("raise NotImplementedError", "return 0.5  #"))
+    [again] = write_student_copies(source, tmp_path / "student", force=False)  # the learner's work stays
+    assert again.kept and "return 0.5" in again.target.read_text()
+    [fresh] = write_student_copies(source, tmp_path / "student", force=True)
+    assert not fresh.kept and "return 0.5" not in fresh.target.read_text()
+
+
+VERDICTS = re.compile(r"\[ok\]|: correct\b|ExerciseError|Traceback")
+
+
+def names_used(source: str) -> set[str]:
+    """The plain names a cell's code mentions (not attributes, strings or comments)."""
+    import io
+    import tokenize
+
+    python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    names, previous = set(), None
+    for token in tokenize.generate_tokens(io.StringIO(python + "\n").readline):
+        if token.type == tokenize.NAME and previous != ".":
+            names.add(token.string)
+        previous = token.string
+    return names
+
+
+@pytest.mark.skipif(not CHAPTERS, reason="no chapters in notebooks/ yet")
+def test_no_learner_copy_keeps_a_verdict_or_an_output_of_a_cell_that_names_an_answer(tmp_path):
+    """Walks every chapter's copy: no stored checker verdict anywhere, and no output in any cell that
+    calls a checker or names a function or class whose body was an answer (a textual rule, independent
+    of the copier's own analysis)."""
+    for copy in write_student_copies(ROOT / "notebooks", tmp_path):
+        notebook = nbformat.read(copy.target, as_version=4)
+        stubbed = set()
+        for cell in notebook.cells:
+            if cell.cell_type == "code" and STUB in cell.source:
+                stubbed |= set(re.findall(r"^(?:def|class)\s+(\w+)", cell.source, flags=re.MULTILINE))
+        assert stubbed, f"{copy.target.name}: no exercise found"
+        for index, cell in enumerate(notebook.cells):
+            if cell.cell_type != "code":
+                continue
+            text = json.dumps(cell.outputs)
+            where = f"{copy.target.name} cell {index}"
+            assert not VERDICTS.search(text), f"{where} keeps a verdict: {text[:200]}"
+            used = names_used(cell.source)
+            names_answer = used & stubbed or {name for name in used if name.startswith("check_")}
+            names_answer |= {"check_"} if re.search(r"\.check_\w+\(", cell.source) else set()
+            if names_answer:
+                assert cell.outputs == [], f"{where} uses {sorted(names_answer)} and keeps its output"
+                assert "raises-exception" in cell.metadata.get("tags", []), f"{where} would stop Run All"
+
+
+def test_run_all_of_a_learner_copy_goes_past_an_unfinished_exercise(tmp_path):
+    import nbclient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [
+        nbformat.v4.new_code_cell("from minitp.exercises import ch03\n\ndef pair_bytes(batch, seq, dim, n, b):\n"
+                                  "    ### BEGIN SOLUTION\n    return 4 * (n - 1) / n * batch * seq * dim * b\n"
+                                  "    ### END SOLUTION"),
+        nbformat.v4.new_code_cell("ch03.check_pair_bytes(pair_bytes)"),
+        nbformat.v4.new_code_cell("print('the rest of the chapter ran')"),
+    ]
+    copy, _, _ = student.student_notebook(json.loads(nbformat.writes(notebook)))
+    ran = nbclient.NotebookClient(nbformat.reads(json.dumps(copy), as_version=4), timeout=120).execute()
+    error = ran.cells[1].outputs[0]
+    assert error["output_type"] == "error" and "not done yet" in error["evalue"]
+    assert "\n".join(error["traceback"]).count("\n") <= 1, "the checker's frames are shown"
+    assert ran.cells[2].outputs[0]["text"] == "the rest of the chapter ran\n"
+
+
+def test_a_failing_rank_shows_its_error_and_the_learners_frames_not_the_checkers():
+    from minitp.exercises import ch03
+
+    def row_parallel_forward(x_shard, weight_shard, bias, group):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise ValueError("a mistake on rank 1")
+        return x_shard @ weight_shard.T + bias
+
+    with pytest.raises(ExerciseError) as caught:
+        ch03.check_row_parallel_forward(row_parallel_forward)
+    message = str(caught.value)
+    assert "rank 1 raised ValueError: a mistake on rank 1" in message
+    assert "in row_parallel_forward" in message and 'raise ValueError("a mistake on rank 1")' in message
+    assert "exercises/ch03.py" not in message and "launch.py" not in message
+    shown = caught.value._render_traceback_()  # what IPython shows: the message, no checker frame
+    assert "ExerciseError" in shown[0] and "a mistake on rank 1" in shown[0]
+    assert "\n".join(shown[1:]) == "\n".join(message.splitlines()[1:])
+
+
+def test_call_answer_reports_a_stub_and_a_crash_by_the_learners_frames():
+    from minitp.exercises import call_answer
+
+    def stub(x):
+        raise NotImplementedError
+
+    def crash(x):
+        return x / 0
+
+    with pytest.raises(ExerciseError, match="bubble: not done yet"):
+        call_answer("bubble", stub, 1)
+    with pytest.raises(ExerciseError, match="bubble: your code raised ZeroDivisionError") as caught:
+        call_answer("bubble", crash, 1)
+    assert "in crash" in str(caught.value) and "exercises/__init__.py" not in str(caught.value)
+
+
+def test_progress_is_off_by_default_and_names_each_ranks_step_when_asked(monkeypatch):
+    import time
+
+    import minitp
+    from minitp import progress
+
+    def work(steps):
+        for index in range(steps):
+            progress.step(index, steps)
+        time.sleep(0.5)  # the parent looks while the ranks are still there
+        return os.environ.get(progress.DIR_ENV) is not None
+
+    monkeypatch.delenv(progress.ENV, raising=False)
+    lines = []
+    monkeypatch.setattr(progress.Line, "update", lambda self, finished: lines.append(self.text(finished)))
+    assert minitp.launch(work, 2, 3) == [True, True]
+    assert not any("rank 0 step" in line for line in lines)  # ranks wrote nothing: progress is off
+    monkeypatch.setenv(progress.ENV, "1")
+    lines.clear()
+    minitp.launch(work, 2, 3)
+    assert any("rank 0 step 3/3, rank 1 step 3/3" in line for line in lines), lines[-1:]

@@ -119,3 +119,20 @@ def test_gantt_draws_each_message_from_the_action_that_made_it_to_the_one_that_u
     assert arrow.xyann[0] == pytest.approx((at[0, "F", 2][1] - t0) * 1e3)  # leaves when F2 ends on rank 0
     assert arrow.xy[0] == pytest.approx((at[1, "F", 2][0] - t0) * 1e3)  # arrives when F2 starts on rank 1
     assert not [t for t in viz_pp.gantt(timelines).axes[0].texts if (t.get_gid() or "").startswith("message:")]
+
+
+def test_the_grid_draws_every_schedules_table_with_its_weight_gradients_and_chunks():
+    p, m = 4, 8
+    tables = {name: pp.make_schedule(name, p, m, 2 if name == "interleaved" else 1)
+              for name in ("gpipe", "1f1b", "interleaved", "zb")}
+    ideal = {name: pp.simulate(t) for name, t in tables.items()}
+    fig = viz_pp.gantt_grid(ideal, {n: cost.pp_bubble_fraction(p, m, n, pp.chunks_of(t[0])) for n, t in tables.items()},
+                            unit="slots")
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["gpipe: idle 0.273, formula 0.273",
+                                                       "1f1b: idle 0.273, formula 0.273"]
+    drawn = [c.get_gid() for ax in fig.axes for c in ax.collections if (c.get_gid() or "").startswith("action:")]
+    assert len(drawn) == sum(len(a) for t in tables.values() for a in t)  # every action of every table
+    bars = _bars(fig)
+    assert "action:3:W7" in bars and bars["action:3:W7"].get_facecolor()[0][1] > 0.5  # W in green
+    assert "action:0:F3c1" in bars and bars["action:0:F3c1"].get_hatch()  # chunk 1 hatched
+    assert len({ax.get_xlim() for ax in fig.axes}) == 1  # one time axis for all

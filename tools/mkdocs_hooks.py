@@ -7,11 +7,17 @@ The notebooks stay where they are: they never get copied into ``course/`` (the d
   points the notebooks' MathJax at a local copy when one is installed (else at a CDN).
 * ``on_files`` adds each notebook as the page ``notebooks/NN_name.ipynb`` (URL ``notebooks/NN_name/``)
   before mkdocs-jupyter looks at the files (it turns them into pages), so links like
-  ``notebooks/01_ddp.ipynb`` from ``course/index.md`` resolve.
+  ``notebooks/01_ddp.ipynb`` from ``course/index.md`` resolve. The page is made from the notebook's
+  website form (``minitp.exercises.student.website_notebook``, written to a temporary folder): each
+  exercise shows its stub, and its answer cells come tagged ``minitp-answer``.
+* ``on_page_content`` folds each run of ``minitp-answer`` cells, outputs included (the checker's
+  verdict), behind ``<details class="minitp-answer">`` "Show a worked answer", closed by default.
 * ``on_page_markdown`` resolves ``[text](chapter:NN)`` links in the Markdown pages: a link to
   chapter NN when it exists, plain text marked "in preparation" when it does not (so the course
   plan can name every chapter and ``mkdocs build --strict`` stays clean).
-* ``on_post_build`` copies the few MathJax files the pages use into ``site/assets/mathjax``.
+* ``on_post_build`` copies the few MathJax files the pages use into ``site/assets/mathjax``, and
+  publishes each chapter's learner copy (answers out, as ``make student`` writes it) as the notebook to
+  download next to its page.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import logging
 import os
 import re
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -49,7 +57,24 @@ MATHJAX_FILES = [  # what TeX input + CommonHTML output load: about 1.5 MB inste
 ]
 MATHJAX_SITE_DIR = "assets/mathjax"
 
+ANSWER_CLASS = "celltag_minitp-answer"  # nbconvert's lab template: one class per cell tag
+FOLD_OPEN = '<details class="minitp-answer"><summary>Show a worked answer</summary>\n'
+FOLD_CLOSE = "</details>\n"
+CELL_START = re.compile(r'<div\b[^>]*\bclass="jp-Cell\b[^"]*"[^>]*>')
+DIV_TAG = re.compile(r"<(/?)div\b[^>]*>")
+
 _state: dict = {}
+
+
+def _student_module():
+    """``minitp.exercises.student``: from the installed package, else from src/ next to this file (it
+    only needs the standard library)."""
+    try:
+        from minitp.exercises import student
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+        from minitp.exercises import student
+    return student
 
 
 def notebook_dir(config) -> Path:
@@ -113,14 +138,69 @@ def on_config(config):
     return config
 
 
+def write_website_forms(paths: list[Path], folder: Path) -> dict[str, int]:
+    """The website form of each chapter into ``folder/notebooks/``; returns the folds of each page."""
+    student = _student_module()
+    (folder / CHAPTER_DIR).mkdir(parents=True, exist_ok=True)
+    folds = {}
+    for path in paths:
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        web, folds[path.stem] = student.website_notebook(notebook, name=path.name)
+        (folder / CHAPTER_DIR / path.name).write_text(json.dumps(web, indent=1, ensure_ascii=False) + "\n",
+                                                     encoding="utf-8")
+    return folds
+
+
 @event_priority(100)  # before mkdocs-jupyter's on_files, which turns .ipynb files into pages
 def on_files(files, config):
+    web = Path(tempfile.mkdtemp(prefix="minitp-site-"))
+    _state["web_dir"] = web
+    _state["folds"] = write_website_forms(_state.get("chapters", []), web)
     for path in _state.get("chapters", []):
-        # src_dir is the repository root, so the page's source path is the notebook itself (mkdocs-jupyter
-        # reads it from there) and its URL mirrors the repository: notebooks/NN_name/
-        files.append(File(f"{CHAPTER_DIR}/{path.name}", str(path.parent.parent), config.site_dir,
-                          config.use_directory_urls))
+        # the page's source is the chapter's website form, at notebooks/NN_name.ipynb under a temporary
+        # root, so its URL mirrors the repository: notebooks/NN_name/
+        files.append(File(f"{CHAPTER_DIR}/{path.name}", str(web), config.site_dir, config.use_directory_urls))
     return files
+
+
+def _cell_end(html: str, start: int) -> int:
+    """The index just past the ``</div>`` that closes the ``<div`` opening at ``start``."""
+    depth = 0
+    for match in DIV_TAG.finditer(html, start):
+        depth += -1 if match.group(1) else 1
+        if depth == 0:
+            return match.end()
+    raise ValueError(f"a notebook cell opened at character {start} is never closed")
+
+
+def fold_answers(html: str) -> str:
+    """Put each run of consecutive ``minitp-answer`` cells inside one closed ``<details>``."""
+    out, position, open_fold = [], 0, False
+    for match in CELL_START.finditer(html):
+        if match.start() < position:
+            continue  # a cell inside a cell already copied
+        answer = ANSWER_CLASS in match.group(0).split('class="', 1)[1].split('"', 1)[0].split()
+        between = html[position:match.start()]
+        if open_fold and (not answer or between.strip()):
+            out.append(FOLD_CLOSE)
+            open_fold = False
+        out.append(between)
+        if answer and not open_fold:
+            out.append(FOLD_OPEN)
+            open_fold = True
+        end = _cell_end(html, match.start())
+        out.append(html[match.start():end])
+        position = end
+    if open_fold:
+        out.append(FOLD_CLOSE)
+    out.append(html[position:])
+    return "".join(out)
+
+
+def on_page_content(html, page, config, files):
+    if page.file.src_uri.startswith(f"{CHAPTER_DIR}/") and page.file.src_uri.endswith(".ipynb"):
+        return fold_answers(html)
+    return html
 
 
 def on_page_markdown(markdown, page, config, files):
@@ -136,7 +216,20 @@ def on_page_markdown(markdown, page, config, files):
     return CHAPTER_LINK.sub(resolve, markdown)
 
 
+def publish_learner_copies(config) -> None:
+    """The notebook offered next to each chapter page is the learner's copy (answers out)."""
+    student = _student_module()
+    for path in _state.get("chapters", []):
+        folder = Path(config.site_dir) / CHAPTER_DIR / path.stem
+        if folder.is_dir():
+            student.write_student_copy(path, folder / path.name)
+
+
 def on_post_build(config):
+    publish_learner_copies(config)
+    web = _state.pop("web_dir", None)
+    if web is not None:
+        shutil.rmtree(web, ignore_errors=True)
     mathjax = _state.get("mathjax")
     if mathjax is None:
         return

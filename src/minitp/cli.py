@@ -7,6 +7,8 @@
     minitp run pp --nproc 4 [--microbatches M] [--schedule gpipe|1f1b] [--steps K] [--json PATH]
     minitp run 3d --dp 2 --tp 2 --pp 2 [--fsdp [--zero Z]] [--save-to DIR] [--resume-from DIR]
     minitp plan --model llama3-8b --gpus 64 --gpu-memory 80      (the layouts that fit; no run)
+        [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100]
+    minitp calibrate                                              (this machine, for predicted step times)
 
 trains the tiny model with a strategy on N local processes, checks it against the one-process
 reference, the traced bytes and the memory formulas, prints a short table and exits non-zero if
@@ -81,7 +83,13 @@ def _plan(args: argparse.Namespace) -> int:
     cfg = get_config("tiny" if args.model == "custom" else args.model)
     sizes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")}
     cfg = cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
-    options = dict(flash_attention=args.flash_attention, recompute=args.recompute)
+    if args.recompute and args.selective_recompute:
+        raise ValueError("--recompute (full) and --selective-recompute exclude each other: choose one")
+    from minitp.cost import DEVICES
+
+    recompute = "full" if args.recompute else "selective" if args.selective_recompute else "none"
+    options = dict(flash_attention=args.flash_attention, recompute=recompute,
+                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device])
     rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                      "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=args.all, **options)
     title = (f"minitp plan: {args.model} ({cfg.num_params() / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
@@ -111,9 +119,31 @@ PLAN_OPTIONS = (
     Option("precision", str, "bf16", "bytes per parameter and activation", choices=("bf16", "fp32")),
     Option("all", bool, False, "also list the layouts that do not fit"),
     Option("recompute", bool, False, "full activation recomputation (keep block inputs)"),
+    Option("selective_recompute", bool, False, "recompute attention's scores only (Korthikanti et al.)"),
+    Option("sequence_parallel", bool, False, "split the norms' activations over tp (reduce-scatter/all-gather)"),
+    Option("device", str, "h100", "whose FLOP/s and links time the step", choices=("h100", "a100")),
     Option("flash_attention", bool, True, "count the stored attention scores", negate=True),
     *(Option(name, int, None, "override the preset's size", low=1, optional=True)
       for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")),
+)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from minitp import calibrate
+
+    _check_output_file("--json", args.json)
+    cal = calibrate.calibrate()
+    print(calibrate.format_calibration(cal))
+    if not args.dry_run:
+        print(f"stored in {calibrate.save(cal)}")
+    if args.json:
+        _write_json(cal, args.json)
+    return 0
+
+
+# `minitp calibrate`'s options (it measures this machine for the time model)
+CALIBRATE_OPTIONS = (
+    Option("dry_run", bool, False, "measure and print, store nothing"),
 )
 
 
@@ -138,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         _add_option(pl, option)
     pl.add_argument("--json", metavar="PATH", help="also write the layouts as JSON")
     pl.set_defaults(func=_plan, options=PLAN_OPTIONS)
+
+    cal = sub.add_parser("calibrate", help="measure this machine (matmul FLOP/s, gloo α and β) for the time model")
+    for option in CALIBRATE_OPTIONS:
+        _add_option(cal, option)
+    cal.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    cal.set_defaults(func=_calibrate, options=CALIBRATE_OPTIONS)
 
     args = parser.parse_args(argv)
     try:

@@ -114,7 +114,8 @@ class Handle:
 
 
 def _record(op: str, tensor: torch.Tensor, nbytes: int, group, label: str, start: float,
-            peer: int | None = None, src: int | None = None) -> _trace.Event | None:
+            peer: int | None = None, src: int | None = None,
+            kept_bytes: int | None = None) -> _trace.Event | None:
     tr = _trace.current()
     if tr is None:
         return None
@@ -126,7 +127,7 @@ def _record(op: str, tensor: torch.Tensor, nbytes: int, group, label: str, start
         rank=dist.get_rank(), kind="comm", op=op, label=tr.label(label), start=start, end=start,
         group=ranks, dim=group_dim(group), peer=peer, shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).replace("torch.", ""), bytes=nbytes,
-        sent_bytes=cost.collective_sent_bytes(op, nbytes, len(ranks), position),
+        sent_bytes=cost.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes),
     )
     return tr.add(event)
 
@@ -183,6 +184,34 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, label: str = "", async
     start = time.perf_counter()
     event = _record("broadcast", tensor, _nbytes(tensor), group, label, start, src=src)
     work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _finish(work, event, async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, group=None, label: str = "",
+               async_op: bool = False):
+    """Rank i's j-th chunk of ``input`` (rows along dim 0) lands as the i-th chunk of rank j's
+    ``output``. Chunks are equal (rows / n) unless the split sizes say how many rows go to (input)
+    and come from (output) each rank of the group, in group order; a size may be 0.
+
+    Traced as the logical buffer ``input`` (this rank's rows for everybody); the bytes it sends
+    leave out the chunk addressed to itself, which never leaves the rank.
+    """
+    n, me = group_size(group), group_rank(group)
+    for name, t, sizes in (("input", input, input_split_sizes), ("output", output, output_split_sizes)):
+        if sizes is None:
+            if t.shape[0] % n:
+                raise ValueError(f"all_to_all: {name} has {t.shape[0]} rows, not divisible by the group's "
+                                 f"{n} ranks; pass {name}_split_sizes for uneven chunks")
+        elif len(sizes) != n or sum(sizes) != t.shape[0] or min(sizes) < 0:
+            raise ValueError(f"all_to_all: {name}_split_sizes {list(sizes)} should be {n} sizes >= 0 "
+                             f"(one per rank of the group) adding up to the {t.shape[0]} rows of {name}")
+    row_bytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
+    kept_rows = input.shape[0] // n if input_split_sizes is None else input_split_sizes[me]
+    start = time.perf_counter()
+    event = _record("all_to_all", input, _nbytes(input), group, label, start, kept_bytes=kept_rows * row_bytes)
+    work = dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
     return _finish(work, event, async_op)
 
 

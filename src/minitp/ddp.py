@@ -12,8 +12,13 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
   reverse order, roughly the order backward produces their gradients (the last layer's first).
 * Buckets are launched strictly in order (bucket 3 waits for bucket 2): every rank must issue the
   same collectives in the same order, or they pair up wrongly and hang.
-* At the end of backward (an autograd callback) the remaining buckets are launched, all are
-  waited for, and the averaged values are copied back into ``param.grad``.
+* At the end of backward (an autograd callback) the remaining buckets are launched and all are
+  waited for. Each ``param.grad`` is a **view into its bucket** (PyTorch's
+  ``gradient_as_bucket_view``), so the averaged values are already where the optimizer reads them:
+  nothing is copied back and no gradient is allocated per step. If the optimizer keeps the
+  gradients (``zero_grad(set_to_none=False)``), backward even accumulates straight into the bucket
+  and the launch copies nothing; if it sets them to None, autograd hands a fresh gradient that is
+  copied into the bucket once, and ``param.grad`` becomes the view again.
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
   accumulation); the first backward outside it all-reduces the accumulated sum.
 * A parameter that **no rank used** (a branch the forward skipped) keeps ``grad`` None, as on one
@@ -146,16 +151,23 @@ class DistributedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        for p, offset in zip(bucket.params, bucket.offsets):
-            view = bucket.buffer[offset:offset + p.numel()]
+        # average = sum of (grad / n): each gradient is divided on its way into the bucket (one pass)
+        for p, view in zip(bucket.params, self._views(bucket)):
             if p.grad is None:  # took no part in this forward: -0.0 says so (see the top)
                 view.fill_(-0.0)
-            else:
-                view.copy_(p.grad.reshape(-1))
-        bucket.buffer.div_(self.world_size)  # average = sum of (grad / n)
+            elif p.grad.data_ptr() != view.data_ptr():  # a fresh gradient from autograd: into the bucket
+                torch.div(p.grad, self.world_size, out=view)
+                p.grad = view  # from now on backward accumulates in the bucket itself
+            else:  # backward accumulated in the bucket already
+                view.div_(self.world_size)
         bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
                                         label=f"ddp/bucket{bucket.index}", async_op=True)
         self._next_bucket += 1
+
+    @staticmethod
+    def _views(bucket: Bucket) -> list[torch.Tensor]:
+        """Each parameter's slice of the bucket, shaped like the parameter."""
+        return [bucket.buffer[offset:offset + p.numel()].view_as(p) for p, offset in zip(bucket.params, bucket.offsets)]
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -163,14 +175,11 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
             bucket.handle.wait()
-            for p, offset in zip(bucket.params, bucket.offsets):
-                averaged = bucket.buffer[offset:offset + p.numel()].view_as(p)
+            for p, averaged in zip(bucket.params, self._views(bucket)):
                 if used_by_no_rank(averaged):  # the same verdict on every rank: they hold the same sum
                     p.grad = None
-                elif p.grad is None:
-                    p.grad = averaged.clone()
-                else:
-                    p.grad.copy_(averaged)
+                else:  # (used here: already the view; used only elsewhere: becomes it)
+                    p.grad = averaged
             bucket.ready, bucket.handle = 0, None
         self._next_bucket = 0
         self._callback_queued = False

@@ -47,6 +47,7 @@ from datetime import timedelta
 import cloudpickle
 
 from minitp import launch_guard as guard
+from minitp import progress as _progress
 from minitp import trace as _trace
 from minitp.launch_guard import BACKENDS, RANK_MEMORY_BYTES, check_launch, under_torchrun  # noqa: F401
 
@@ -144,7 +145,8 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
                                 name=f"minitp-rank{rank}", daemon=True)
                 p.start()
                 procs.append(p)
-        results = _wait(procs, workdir, timeout, t0)
+        with _progress.Line(workdir, nprocs) as line:  # shown only when MINITP_PROGRESS=1
+            results = _wait(procs, workdir, timeout, t0, line)
         outputs, errors = _read_outputs(workdir, nprocs)
         if echo:
             _relay(outputs, errors)
@@ -163,7 +165,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
 
 
 # -- parent side -----------------------------------------------------------------------------------
-def _wait(procs, workdir: str, timeout: float, t0: float) -> list[dict]:
+def _wait(procs, workdir: str, timeout: float, t0: float, line=None) -> list[dict]:
     """Poll until every rank has finished, one has failed, or time is up."""
     n = len(procs)
     results: dict[int, dict] = {}
@@ -209,6 +211,8 @@ def _wait(procs, workdir: str, timeout: float, t0: float) -> list[dict]:
                    else "")
                 + ". A rank waiting in a collective that another rank never joined (or joined with another "
                   f"shape) is the usual cause.\n\n{where}", stacks)
+        if line is not None:
+            line.update(len(results))
         time.sleep(0.01)
 
 
@@ -362,7 +366,7 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's clean-up handler
     os.environ.update({guard.WORKER_ENV: "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1"})
+                       "WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1", _progress.DIR_ENV: workdir})
     guard.listen_on_loopback()
     status, value, tb, tr = "ok", None, "", None
     try:

@@ -218,3 +218,26 @@ def bucket_ranges(param_bytes: list[int], bucket_bytes: int) -> list[range]:
 def num_buckets(param_bytes: list[int], bucket_bytes: int) -> int:
     """How many buckets DDP forms from parameters of these sizes (``bucket_ranges``)."""
     return len(bucket_ranges(param_bytes, bucket_bytes))
+
+
+# -- context parallel: which positions of the sequence each rank holds ------------------------------------
+def cp_chunks(seq_len: int, cp: int, rank: int, balanced: bool = True) -> list[range]:
+    """The positions ``rank`` of ``cp`` holds, as ranges in the order the rank stores them.
+    Contiguous: the rank-th of cp equal slices. Balanced (causal attention): the sequence is cut into
+    2·cp chunks and rank i holds chunks i and 2cp-1-i, one early (little to attend to) and one late
+    (much), so every rank does the same work."""
+    check_positive("cp", cp)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank {rank} is not one of cp={cp} ranks")
+    pieces = 2 * cp if balanced else cp
+    check_divisible("seq_len", seq_len, "2*cp" if balanced else "cp", pieces,
+                    ": load-balanced context parallel cuts the sequence into 2*cp equal chunks" if balanced
+                    else ": context parallel gives each rank seq_len/cp positions")
+    size = seq_len // pieces
+    order = (rank, 2 * cp - 1 - rank) if balanced else (rank,)
+    return [range(i * size, (i + 1) * size) for i in order]
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, balanced: bool = True) -> list[int]:
+    """Every position ``rank`` holds, in its local order (``cp_chunks`` flattened)."""
+    return [p for chunk in cp_chunks(seq_len, cp, rank, balanced) for p in chunk]

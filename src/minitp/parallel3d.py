@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from minitp import cp as _cp
 from minitp import tp as _tp
 from minitp import trace as _trace
 from minitp.ddp import DistributedDataParallel, split_batch
@@ -56,7 +57,7 @@ class Parallel3D:
 
     def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, cp: int = 1):
         if data_parallel not in ("ddp", "fsdp"):
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
         self.zero = check_zero(data_parallel, zero, mesh.pp)
@@ -70,6 +71,13 @@ class Parallel3D:
         if mesh.tp > 1:
             _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
             self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
+        # context parallel: the mesh's dp dimension holds dp·cp ranks; each attention becomes a ring
+        self.cp, self.cp_group, cp_model = cp, None, None
+        if cp > 1:
+            if mesh.pp > 1 or data_parallel != "ddp":
+                raise ValueError(f"cp={cp} composes with dp (DDP) and tp; got pp={mesh.pp}, {data_parallel}")
+            self.cp_group = _cp.mesh_cp_group(mesh, cp)
+            cp_model = _cp.parallelize(model, self.cp_group)  # takes (B/dp, S/cp) tokens
         module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
@@ -79,7 +87,8 @@ class Parallel3D:
         self.ddp = self.fsdp = None
         self.step_model = module
         if mesh.dp > 1 and data_parallel == "ddp":
-            self.ddp = self.step_model = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
+            self.ddp = self.step_model = DistributedDataParallel(
+                cp_model if cp_model is not None else module, mesh.dp_group, bucket_mb=bucket_mb)
         elif mesh.dp > 1:
             self.fsdp = self.step_model = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
         self.pipeline = None
@@ -96,7 +105,9 @@ class Parallel3D:
         """Forward and backward of one global batch (B, S), the same on every rank; gradients end
         averaged over dp. Returns the loss of this replica's share (None off the last stage)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        if self.mesh.dp > 1:  # this replica's rows: (B, S) → (B/dp, S)
+        if self.cp > 1:  # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
+            tokens, targets = (_cp.replica_share(t, self.mesh, self.cp, self.cp_group) for t in (tokens, targets))
+        elif self.mesh.dp > 1:  # this replica's rows: (B, S) → (B/dp, S)
             tokens, targets = split_batch(tokens, self.mesh.dp_group), split_batch(targets, self.mesh.dp_group)
         if self.pipeline is None:
             with _trace.span("forward"):

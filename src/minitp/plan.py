@@ -1,4 +1,5 @@
-"""The layout planner: which dp × pp × tp layouts of N GPUs fit a model, and what each one sends.
+"""The layout planner: which dp × pp × tp layouts of N GPUs fit a model, what each one sends, how long
+a step should take.
 
 Nothing runs: every number comes from ``minitp.cost``, the same formulas the runs are checked against
 (``minitp run 3d`` compares them with the bytes traced and the memory held on every rank, and
@@ -8,16 +9,21 @@ For each layout the planner takes the worst rank (the stage that holds or sends 
 
 * memory: parameters, gradients and AdamW state (``threed_memory_per_rank``; bf16 mixed precision by
   default, 16 bytes per parameter, sharded over dp by ZeRO), plus an *estimate* of the activations
-  kept for backward (``activation_bytes_per_rank``: 1F1B, no recomputation, no sequence parallel);
+  kept for backward (``activation_bytes_per_rank``, Korthikanti et al.: 1F1B; with or without
+  sequence parallel; no, selective or full recomputation);
 * bytes sent per step in each dimension (``threed_step_bytes``): tp inside a machine, pp and dp
-  between machines when the layout spans several;
-* the pipeline bubble (p-1)/(m+p-1).
+  between machines when the layout spans several; full recomputation repeats forward's tp messages;
+* the pipeline bubble (p-1)/(m+p-1);
+* the predicted step time and MFU on a device (``minitp.cost.step_time``: H100 by default).
 
 A layout is listed when tp divides the heads, key/value heads, MLP width and vocabulary, tp fits in
-a machine (``gpus_per_node``), pp is at most the number of blocks and the batch splits over dp.
+a machine (``gpus_per_node``), pp is at most the number of blocks and the batch splits over dp. The
+layouts that fit come first, fastest predicted step first.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, replace
 
 from minitp import cost
 from minitp.layout import check_3d_layout, check_zero, layouts
@@ -28,48 +34,57 @@ GIB = 2**30
 
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
-                micro_batch: int = 1, flash_attention: bool = True, recompute: bool = False) -> dict:
-    """Memory per GPU and bytes per step of one layout (the worst stage of each), from ``minitp.cost``.
+                micro_batch: int = 1, flash_attention: bool = True, recompute=False,
+                sequence_parallel: bool = False, device: cost.Device = cost.H100) -> dict:
+    """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one layout,
+    from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or True / "full".
     Raises ``ValueError`` for a layout the model or the batch cannot take."""
     check_3d_layout(cfg, dp, pp, tp)
     if batch_size % (dp * micro_batch):
         raise ValueError(f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
                          f"of {micro_batch}")
     zero = check_zero(data_parallel, zero, pp)
+    recompute = cost.recompute_mode(recompute)
     microbatches = batch_size // (dp * micro_batch) if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     stages = []
     for s in range(pp):
         states = cost.threed_memory_per_rank(cfg, dp, tp, pp, s, data_parallel, zero or 3, precision)
         activations = cost.activation_bytes_per_rank(cfg, batch_size // dp // microbatches, seq_len, tp, pp, s,
-                                                     microbatches, b, flash_attention, recompute)
+                                                     microbatches, b, flash_attention, recompute, sequence_parallel)
         sent = cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, 0, data_parallel, zero or 3,
-                                      activation_bytes=b, param_bytes=b, grad_bytes=b)
+                                      activation_bytes=b, param_bytes=b, grad_bytes=b,
+                                      sequence_parallel=sequence_parallel, recompute=recompute)
         stages.append((states, activations, sent))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
     states, activations = stages[worst][0], stages[worst][1]
+    time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
+                          precision, sequence_parallel, recompute)
     return {
         "dp": dp, "pp": pp, "tp": tp, "data_parallel": data_parallel, "zero": zero, "precision": precision,
+        "sequence_parallel": sequence_parallel, "recompute": recompute,
         "microbatches": microbatches, "worst_stage": worst,
         "memory": {**states, "activations": activations},  # of the worst stage
         "memory_states": max(cost.total_memory(st[0]) for st in stages),  # the most any rank holds
         "memory_total": cost.total_memory(states) + activations,
         "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in ("tp", "pp", "dp")},
         "bubble_fraction": cost.pp_bubble_fraction(pp, microbatches),
+        "device": device.name, "time": asdict(time), "step_s": time.step_s, "mfu": time.mfu,
     }
 
 
 def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, batch_size: int | None = None,
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
-         precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute: bool = False,
-         include_unfit: bool = False) -> list[dict]:
+         precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
+         include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100) -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
-    (``include_unfit`` lists the rest too, after them), fewest bytes between machines first.
+    (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
     batch_size: global batch in sequences (default: one per GPU); seq_len: default the model's
-    ``max_seq_len``. flash_attention / recompute: see ``minitp.cost.activation_bytes_per_rank``.
+    ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
+    ``minitp.cost.activation_bytes_per_rank``; device: whose FLOP/s and links time the step.
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
@@ -77,21 +92,22 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
         raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
     batch_size = batch_size or gpus
     seq_len = seq_len or cfg.max_seq_len
+    device = replace(device, gpus_per_node=gpus_per_node)
     rows = []
     for dp, pp, tp in layouts(gpus):
         if tp > gpus_per_node:
             continue  # a tensor-parallel group stays inside one machine
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
-                              flash_attention, recompute)
+                              flash_attention, recompute, sequence_parallel, device)
         except ValueError:
             continue
         row["fits"] = row["memory_total"] <= gpu_memory_gib * GIB
         if row["fits"] or include_unfit:
             rows.append(row)
-    # fitting first; then fewest bytes between machines (pp and dp), then inside one (tp)
-    rows.sort(key=lambda r: (not r["fits"], r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"],
-                             r["bytes_per_step"]["tp"]))
+    # fitting first; then the fastest predicted step, then fewest bytes between machines (pp and dp)
+    rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 12),
+                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"], r["bytes_per_step"]["tp"]))
     return rows
 
 
@@ -102,34 +118,38 @@ def format_plan(rows: list[dict], title: str = "") -> str:
         return "\n".join(lines + ["no layout of these GPUs is possible for this model and batch"])
     lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} {'zero':>4}  {'states GiB':>10} {'activ. GiB':>10} "
                  f"{'total GiB':>9}  {'tp MiB/step':>11} {'pp MiB/step':>11} {'dp MiB/step':>11}  "
-                 f"{'bubble':>6}  fits")
+                 f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
     for r in rows:
         b = r["bytes_per_step"]
         lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} {r['zero'] if r['zero'] is not None else '-':>4}  "
                      f"{r['memory_states'] / GIB:>10.2f} {r['memory']['activations'] / GIB:>10.2f} "
                      f"{r['memory_total'] / GIB:>9.2f}  {b['tp'] / 2**20:>11.1f} {b['pp'] / 2**20:>11.1f} "
-                     f"{b['dp'] / 2**20:>11.1f}  {r['bubble_fraction']:>6.3f}  {'yes' if r['fits'] else 'no'}")
+                     f"{b['dp'] / 2**20:>11.1f}  {r['bubble_fraction']:>6.3f}  {r['step_s']:>7.2f} "
+                     f"{r['mfu']:>5.1%}  {'yes' if r['fits'] else 'no'}")
     lines.append("states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
-                 "activations: an estimate (1F1B); bytes: what the busiest rank sends per step")
+                 "activations: an estimate (1F1B, Korthikanti et al.); bytes: what the busiest rank sends per step; "
+                 f"step and MFU: predicted on {rows[0]['device']} (minitp.cost.step_time)")
     return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The same layouts as a Markdown table (the website's static version of the explorer)."""
     head = ("| dp | pp | tp | ZeRO | states GiB | activations GiB | total GiB | tp MiB/step | pp MiB/step "
-            "| dp MiB/step | bubble | fits |")
-    lines = [head, "|" + "---:|" * 11 + ":---:|"]
+            "| dp MiB/step | bubble | step s | MFU | fits |")
+    lines = [head, "|" + "---:|" * 13 + ":---:|"]
     for r in rows:
         b = r["bytes_per_step"]
         lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | {r['zero'] if r['zero'] is not None else '-'} | "
                      f"{r['memory_states'] / GIB:.2f} | {r['memory']['activations'] / GIB:.2f} | "
                      f"{r['memory_total'] / GIB:.2f} | {b['tp'] / 2**20:.1f} | {b['pp'] / 2**20:.1f} | "
-                     f"{b['dp'] / 2**20:.1f} | {r['bubble_fraction']:.3f} | {'yes' if r['fits'] else 'no'} |")
+                     f"{b['dp'] / 2**20:.1f} | {r['bubble_fraction']:.3f} | {r['step_s']:.2f} | {r['mfu']:.1%} | "
+                     f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)
 
 
 def explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0):
-    """An ipywidgets explorer of ``plan``: pick a model, GPUs, memory, data parallel and recomputation;
+    """An ipywidgets explorer of ``plan``: pick a model, GPUs, memory, data parallel, recomputation and
+    sequence parallel;
     the table of layouts (all of them, fitting first) follows. Needs ``ipywidgets`` (the course extra)."""
     import ipywidgets as widgets
 
@@ -141,6 +161,7 @@ def explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 8
         "memory": widgets.FloatSlider(value=gpu_memory_gib, min=8, max=192, step=8, description="GiB/GPU"),
         "fsdp": widgets.Checkbox(value=True, description="FSDP (else DDP)"),
         "recompute": widgets.Checkbox(value=False, description="recompute activations"),
+        "sequence_parallel": widgets.Checkbox(value=False, description="sequence parallel"),
     }
     out = widgets.HTML()
 
@@ -149,6 +170,7 @@ def explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 8
         seq = min(cfg.max_seq_len, 8192)
         rows = plan(cfg, w["gpus"].value, w["memory"].value, seq_len=seq,
                     data_parallel="fsdp" if w["fsdp"].value else "ddp", recompute=w["recompute"].value,
+                    sequence_parallel=w["sequence_parallel"].value,
                     include_unfit=True)
         title = f"{w['model'].value}: {cfg.num_params() / 1e9:.2f} B parameters, sequences of {seq}"
         out.value = f"<pre>{format_plan(rows, title)}</pre>"

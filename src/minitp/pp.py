@@ -7,34 +7,36 @@ others waiting for its whole batch, so the global batch is cut into ``m`` *micro
 stage 1 computes micro-batch 0, stage 0 already computes micro-batch 1. What is left of the waiting
 is the *bubble*: with equal stage times it is (p-1)/(m+p-1) of the step, on every rank.
 
-A **schedule** is data: for each stage, the list of actions it runs in order, ``Action("F", i)``
-(forward of micro-batch i) or ``Action("B", i)`` (its backward). Two pure functions make them:
+A **schedule** is data (``minitp.pp_schedules``, re-exported here): for each rank, the list of
+actions it runs in order, ``Action("F", i, chunk)`` (forward of micro-batch i), ``Action("B", i,
+chunk)`` (its backward) and, for zero-bubble, ``Action("W", i, chunk)`` (its weight gradient).
+GPipe, 1F1B, interleaved 1F1B (v chunks per rank: rank r holds pieces r, r+p, ... of the p·v) and
+ZB-H1 are four pure functions of (p, m[, v]); ``simulate`` plays any of them with fixed times.
 
-* ``gpipe``: all forwards, then all backwards (GPipe). Every stage holds the activations of all m
-  micro-batches at the end of the forwards.
-* ``one_f_one_b``: stage s runs p-s-1 warm-up forwards, then alternates one forward, one backward,
-  then drains the remaining backwards (PipeDream-flush / Megatron's 1F1B). The same bubble, but a
-  stage holds at most p-s micro-batches in flight, whatever m is.
+``Pipeline.forward_backward`` runs a rank's table with one small loop. Each message goes through
+``minitp.comm``: a forward sends the piece's output (b, S, D) to the rank of the next piece
+(``pp/forward/mb3``), a backward sends the gradient of the piece's input to the rank of the previous
+one (``pp/backward/mb3``; under interleaving the labels add ``/piece5``, the sender's piece). Sends
+are ``isend`` (waited on at the end of the step); receives are ``irecv`` posted a couple of actions
+ahead (``recv_ahead``) and waited on when the action needs them. Every rank knows every rank's
+table, so it posts its receives from a neighbour in the order that neighbour sends them: messages
+between two ranks are matched first to first, however forwards, backwards and chunks interleave.
+A rank only ever waits for what its next action needs, so a table that ``simulate`` plays to the
+end cannot deadlock. Blocking sends could: in 1F1B's steady state rank s sends an activation to
+s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo: a message whose
+receive is already posted is written at once by the sender; otherwise gloo's background thread
+hands it over later, which on a busy two-core machine took up to ~5 ms.
 
-``simulate`` plays a schedule with fixed forward and backward times (no processes), which is how the
-tests show a schedule cannot deadlock and what its ideal bubble is; ``Pipeline.forward_backward``
-runs it for real with one small loop. Each message goes through ``minitp.comm``: a forward sends
-the stage's output (b, S, D) to the next rank (``pp/forward/mb3``), a backward sends the gradient
-of the stage's input to the previous one (``pp/backward/mb3``). Sends are ``isend`` (waited on at
-the end of the step); receives are ``irecv`` posted a couple of actions ahead (``recv_ahead``) and
-waited on when the action needs them. A rank only ever waits for what its schedule needs next, and
-both sides of a boundary order its messages alike (micro-batches in the same order), so no two
-ranks can wait for each other. Blocking sends would deadlock 1F1B: in the steady state rank s sends
-an activation to s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo: a
-message whose receive is already posted is written at once by the sender; otherwise gloo's
-background thread hands it over later, which on a busy two-core machine took up to ~5 ms.
+Zero-bubble's B and W: ``WeightGradients`` gives every ``nn.Linear`` of the stage a backward that
+returns the input gradient g·W at once and leaves (x, g) aside; the W action computes gᵀx from them.
 
 The loss is the mean over the whole global batch: each micro-batch's mean loss / m. Gradients add
 up over the micro-batches in ``.grad`` (autograd accumulates), so after the step they are the full
 batch's gradient, as on one process.
 
 Top to bottom: PipelineStage (the pieces a rank holds; ``minitp.layout.stage_blocks`` says which),
-StageSpec (what the loop knows of a stage), the schedules, simulate, bubble_fraction, Pipeline.
+StageSpec (what the loop knows of a stage), StagePieces (a rank's chunks), WeightGradients (the
+B/W split), Pipeline and its receives.
 """
 
 from __future__ import annotations
@@ -52,6 +54,29 @@ from minitp import trace as _trace
 from minitp.layout import stage_blocks
 from minitp.models import Transformer
 from minitp.models import loss_fn as _loss_fn
+from minitp.pp_schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    Timeline,
+    bubble_fraction,
+    chunks_of,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    splits_weight_gradient,
+    zero_bubble_h1,
+)
+
+__all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineStage", "Schedule", "StagePieces", "StageSpec", "StepRecord",
+           "Timeline", "WeightGradients",
+           "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
+           "peak_in_flight", "simulate", "split_microbatches", "splits_weight_gradient", "stage_blocks",
+           "zero_bubble_h1"]
+
 
 
 class PipelineStage(nn.Module):
@@ -144,113 +169,64 @@ def split_microbatches(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]
     return list(x.chunk(microbatches))
 
 
-# -- schedules ------------------------------------------------------------------------------------
-class Action(NamedTuple):
-    kind: str  # "F" forward or "B" backward
-    microbatch: int
+class StagePieces(nn.Module):
+    """The chunks a rank holds under interleaving (pieces r, r+p, ...), as one module with the plain
+    model's names, so the rank's state dict is still a slice of the plain model's."""
 
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
-
-
-def _check(num_stages: int, microbatches: int) -> None:
-    for name, value in (("num_stages", num_stages), ("microbatches", microbatches)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    def __init__(self, chunks: list[PipelineStage]):
+        super().__init__()
+        self.tok_embeddings = next((c.tok_embeddings for c in chunks if c.is_first), None)
+        self.layers = nn.ModuleDict({k: v for c in chunks for k, v in c.layers.items()})
+        self.norm = next((c.norm for c in chunks if c.is_last), None)
+        self.output = next((c.output for c in chunks if c.is_last), None)
 
 
-def gpipe(num_stages: int, microbatches: int) -> list[list[Action]]:
-    """All forwards, then all backwards, on every stage. Backwards run in reverse order (the last
-    micro-batch's activations are the freshest); the gradient sum is the same either way."""
-    _check(num_stages, microbatches)
-    m = microbatches
-    stage = [Action("F", i) for i in range(m)] + [Action("B", i) for i in reversed(range(m))]
-    return [list(stage) for _ in range(num_stages)]
+# -- the weight gradient apart (zero-bubble's W) ----------------------------------------------------
+class _LinearDeferringWeight(torch.autograd.Function):
+    """y = x Wᵀ whose backward gives the input gradient g W at once and leaves (x, g) with
+    ``stash`` for the weight gradient gᵀ x, computed later by ``WeightGradients.run``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, stash, key):
+        ctx.save_for_backward(x, weight)
+        ctx.stash, ctx.key = stash, key
+        return x @ weight.t()  # (..., in) -> (..., out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.stash.pending.setdefault(ctx.key, []).append((x, grad, weight))  # kept until W
+        return grad @ weight, None, None, None  # (..., out) -> (..., in)
 
 
-def one_f_one_b(num_stages: int, microbatches: int) -> list[list[Action]]:
-    """1F1B: stage s runs min(p-s-1, m) warm-up forwards, then one forward and one backward in
-    turn, then the remaining backwards. Micro-batches in increasing order everywhere."""
-    _check(num_stages, microbatches)
-    p, m = num_stages, microbatches
-    out = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        actions = [Action("F", i) for i in range(warmup)]
-        for i in range(m - warmup):  # steady state: the forward of i+warmup, the backward of i
-            actions += [Action("F", i + warmup), Action("B", i)]
-        actions += [Action("B", i) for i in range(m - warmup, m)]
-        out.append(actions)
-    return out
+class WeightGradients:
+    """Splits the backward of every ``nn.Linear`` of ``module`` (zero-bubble's B and W): B computes
+    the input gradient and the small weights (norms, embedding); the linear layers' weight
+    gradients wait, with their saved inputs and output gradients, until ``run(key)`` (the W).
+    The linears of the model are changed in place (their ``forward``): the rank owns its stage."""
 
+    def __init__(self, module: nn.Module):
+        self.pending: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> [(x, grad, weight)]
+        self.key: tuple[int, int] | None = None  # the (chunk, micro-batch) whose forward runs now
+        for linear in (m for m in module.modules() if type(m) is nn.Linear):  # not subclasses with their own forward
+            if linear.bias is not None:
+                raise ValueError("zero-bubble's weight split handles linear layers without bias only")
+            linear.forward = (lambda x, linear=linear: self.linear(linear, x))
 
-SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    def linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not linear.weight.is_leaf:  # e.g. a view into FSDP's gathered flat parameter
+            raise ValueError("zero-bubble's W writes .grad of each linear weight, which must be a parameter of its "
+                             "own (a leaf tensor); this one is a view (FSDP?): use DDP, or another schedule")
+        return _LinearDeferringWeight.apply(x, linear.weight, self, self.key)
 
-
-def make_schedule(name: str, num_stages: int, microbatches: int) -> list[list[Action]]:
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](num_stages, microbatches)
-
-
-def peak_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches whose forward has run and backward has not, along one stage's
-    actions: how many micro-batches' activations the stage holds at once."""
-    held = peak = 0
-    for a in actions:
-        held += 1 if a.kind == "F" else -1
-        peak = max(peak, held)
-    return peak
-
-
-Timeline = list[tuple[Action, float, float]]  # one stage's (action, start, end), in order
-
-
-def simulate(schedule: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0) -> list[Timeline]:
-    """Play a schedule with fixed compute times and free messages: each stage runs its actions in
-    order, each as soon as its input is there (F of stage s after F of s-1; B of s after B of s+1,
-    or after its own F on the last stage). Raises if the schedule deadlocks."""
-    p = len(schedule)
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
-    timelines: list[Timeline] = [[] for _ in range(p)]
-    position, free = [0] * p, [0.0] * p
-    while any(position[s] < len(schedule[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while position[s] < len(schedule[s]):
-                a = schedule[s][position[s]]
-                if a.kind == "F":
-                    need = ("F", s - 1, a.microbatch) if s > 0 else None
-                else:
-                    need = ("B", s + 1, a.microbatch) if s < p - 1 else ("F", s, a.microbatch)
-                if need is not None and need not in done:
-                    break
-                start = max(free[s], done[need] if need else 0.0)
-                free[s] = start + (forward_time if a.kind == "F" else backward_time)
-                done[(a.kind, s, a.microbatch)] = free[s]
-                timelines[s].append((a, start, free[s]))
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            waiting = {s: schedule[s][position[s]] for s in range(p) if position[s] < len(schedule[s])}
-            raise ValueError(f"the schedule deadlocks: each stage waits for another, next actions {waiting}")
-    return timelines
-
-
-def bubble_fraction(timelines: list[Timeline]) -> list[float]:
-    """Idle share of the step, per stage: 1 - busy / T, where busy is the stage's time in forward
-    and backward compute, and T the step's span over all stages, from the first action's start on
-    any stage to the last action's end on any stage (ranks on one machine share one clock).
-
-    Why it compares with (p-1)/(m+p-1): with equal stages, forward time F and backward time B, the
-    step lasts (m+p-1)(F+B) and every stage computes m(F+B), under GPipe and 1F1B alike (B = 2F
-    changes neither; ``simulate`` shows it). Measured, the idle share also holds what the formula
-    leaves out: message latency, the loop's own overhead, and unequal stages (the last one adds the
-    output layer and the loss). The mean over stages is the share of all ranks' time lost.
-    """
-    start = min(t[0][1] for t in timelines if t)
-    end = max(t[-1][2] for t in timelines if t)
-    return [1.0 - sum(e - s for _, s, e in t) / (end - start) for t in timelines]
+    @torch.no_grad()  # .grad may be a view into a data-parallel bucket: add into it in place
+    def run(self, key: tuple[int, int]) -> None:
+        for x, grad, weight in self.pending.pop(key, []):
+            dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # (out, in)
+            if weight.grad is None:
+                weight.grad = dw
+            else:
+                weight.grad.add_(dw)
 
 
 # -- running a schedule ---------------------------------------------------------------------------
@@ -259,7 +235,7 @@ class StepRecord(NamedTuple):
 
     loss: float | None  # the global batch's mean loss (last stage only)
     timeline: Timeline  # each action's compute start and end (time.perf_counter)
-    peak_in_flight: int  # the most micro-batches whose activations were held at once
+    peak_in_flight: int  # the most (micro-batch, chunk) activation sets held at once
 
 
 class Pipeline:
@@ -267,30 +243,57 @@ class Pipeline:
     a schedule on it. The stage is the rank's place in the group; messages go to the neighbours'
     global ranks.
 
-    model: the plain ``Transformer`` (this rank cuts its ``PipelineStage`` out of it), or a
-        ``StageSpec`` already made, whose ``forward`` may run through a wrapper (``Parallel3D``).
+    model: the plain ``Transformer`` (this rank cuts its pieces out of it), or a ``StageSpec``
+        already made, whose ``forward`` may run through a wrapper (``Parallel3D``; one chunk only).
+    schedule: "gpipe", "1f1b", "interleaved" (with ``virtual_stages`` v >= 2 chunks per rank) or
+        "zb" (ZB-H1: the backward cut into B and W).
     recv_ahead: how many actions past the current one have their receives posted (a receive
         buffer is (b, S, D), small beside the activations a micro-batch keeps for backward).
+
+    The table of every rank is known to every rank (it is data), so a receiver posts its receives
+    from a neighbour in the order that neighbour sends: messages between two ranks are matched in
+    order, whatever the interleaving of forwards and backwards, chunks and micro-batches.
     """
 
     def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b", microbatches: int = 4,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int = 2):
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int = 2,
+                 virtual_stages: int = 1):
         comm.name_group(group, "pp", unless_named=True)  # its messages' Event.dim
-        ranks = comm.group_ranks(group)
-        self.num_stages, self.stage = len(ranks), comm.group_rank(group)
+        self.ranks = comm.group_ranks(group)
+        p, self.stage = len(self.ranks), comm.group_rank(group)
+        self.num_stages, v = p, virtual_stages
+        self.table = make_schedule(schedule, p, microbatches, v)  # every rank's actions
+        if v > 1 and p == 1:
+            raise ValueError("interleaving needs at least 2 ranks in the pipeline group, got 1")
         if isinstance(model, StageSpec):
-            if (model.index, model.num_stages) != (self.stage, self.num_stages):
+            if v != 1:
+                raise ValueError(f"a StageSpec describes one chunk; virtual_stages={v} needs the plain model")
+            if (model.index, model.num_stages) != (self.stage, p):
                 raise ValueError(f"the stage given is stage {model.index} of {model.num_stages}, but this rank "
-                                 f"is stage {self.stage} of the {self.num_stages} ranks of its pipeline group")
-            self.spec = model
-        else:
-            self.spec = StageSpec.of(PipelineStage(model, self.stage, self.num_stages))
-        self.module = self.spec.module  # the pieces this rank holds
-        self.schedule_name, self.microbatches = schedule, microbatches
-        self.actions = make_schedule(schedule, self.num_stages, microbatches)[self.stage]
+                                 f"is stage {self.stage} of the {p} ranks of its pipeline group")
+            self.chunks = [model]
+        else:  # chunk c is piece c·p + rank of the p·v pieces
+            self.chunks = [StageSpec.of(PipelineStage(model, c * p + self.stage, p * v)) for c in range(v)]
+        self.module = self.chunks[0].module if v == 1 else StagePieces([c.module for c in self.chunks])
+        self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, v
+        self.actions = self.table[self.stage]
+        self.weights = WeightGradients(self.module) if splits_weight_gradient(self.actions) else None
         self.group, self.loss, self.recv_ahead = group, loss, recv_ahead
-        self.prev_rank = ranks[self.stage - 1] if self.stage > 0 else None
-        self.next_rank = ranks[self.stage + 1] if self.stage < self.num_stages - 1 else None
+
+    # the global rank that holds piece k, and the label of the message a piece's action sends
+    def _rank_of(self, piece: int) -> int:
+        return self.ranks[piece % self.num_stages]
+
+    def _label(self, kind: str, microbatch: int, piece: int) -> str:
+        direction = "forward" if kind == "F" else "backward"
+        return f"pp/{direction}/mb{microbatch}" + (f"/piece{piece}" if self.virtual_stages > 1 else "")
+
+    @property
+    def spec(self) -> StageSpec:
+        """This rank's stage description; with virtual stages it holds several (``chunks``)."""
+        if self.virtual_stages != 1:
+            raise AttributeError(f"this rank holds {self.virtual_stages} chunks: read Pipeline.chunks")
+        return self.chunks[0]
 
     def parameters(self):
         return self.module.parameters()
@@ -299,80 +302,118 @@ class Pipeline:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepRecord:
-        """Run this stage's schedule over the micro-batches of one global batch; gradients are
+        """Run this rank's schedule over the micro-batches of one global batch; gradients are
         added into ``.grad`` (zero them before, step the optimizer after). Every rank passes the
-        same (B, S) tokens and targets: the first stage reads the tokens, the last the targets."""
-        m, stage = self.microbatches, self.spec
-        tokens, targets = tokens.to(stage.device), targets.to(stage.device)
+        same (B, S) tokens and targets: the first piece reads the tokens, the last the targets."""
+        m, p, v = self.microbatches, self.num_stages, self.virtual_stages
+        last_piece = p * v - 1
+        device = self.chunks[0].device
+        tokens, targets = tokens.to(device), targets.to(device)
         xs, ys = split_microbatches(tokens, m), split_microbatches(targets, m)
         b, S = xs[0].shape  # micro-batch (b, S), b = B/m
-        receives = self._receives(b, S)
-        inputs: dict[int, torch.Tensor] = {}  # micro-batch -> what this stage's forward read
-        outputs: dict[int, torch.Tensor] = {}  # micro-batch -> its output (the loss on the last stage)
+        receives = _Receives(self, b, S)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> what the chunk's forward read
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> its output (the loss, last piece)
+        held: set[tuple[int, int]] = set()  # activations kept for a backward (and a W) still to run
         sends, timeline, peak, total = [], [], 0, 0.0
         tr = _trace.current()
         for j, a in enumerate(self.actions):
-            i = a.microbatch
-            for k in range(j, min(j + 1 + self.recv_ahead, len(self.actions))):
-                receives.post(k)
+            i, c = a.microbatch, a.chunk
+            chunk, piece = self.chunks[c], c * p + self.stage
+            receives.post_ahead(j)
             if a.kind == "F":
-                x = xs[i] if stage.is_first else receives.take(j).requires_grad_()  # (b, S) or (b, S, D)
+                x = xs[i] if piece == 0 else receives.take(j).requires_grad_()  # (b, S) or (b, S, D)
+                if self.weights is not None:
+                    self.weights.key = (c, i)
                 start = time.perf_counter()
-                y = stage.forward(x)
-                if stage.is_last:
+                y = chunk.forward(x)
+                if piece == last_piece:
                     y = self.loss(y, ys[i]) / m  # this micro-batch's share of the global mean
                     total += y.item()
                 end = time.perf_counter()
-                inputs[i], outputs[i] = x, y
-                if not stage.is_last:
+                inputs[c, i], outputs[c, i] = x, y
+                held.add((c, i))
+                if piece < last_piece:
                     out = y.detach()  # kept alive until the send is waited on
-                    sends.append((comm.isend(out, self.next_rank, self.group, label=f"pp/forward/mb{i}"), out))
-                peak = max(peak, len(outputs))
-            else:
-                x, y = inputs.pop(i), outputs.pop(i)
-                grad = None if stage.is_last else receives.take(j)  # (b, S, D): d loss / d our output
+                    sends.append((comm.isend(out, self._rank_of(piece + 1), self.group,
+                                             label=self._label("F", i, piece)), out))
+                peak = max(peak, len(held))
+            elif a.kind == "B":
+                x, y = inputs.pop((c, i)), outputs.pop((c, i))
+                grad = None if piece == last_piece else receives.take(j)  # (b, S, D): d loss / d our output
                 start = time.perf_counter()
-                torch.autograd.backward(y, grad)  # adds into every parameter's .grad
+                torch.autograd.backward(y, grad)  # x.grad, and .grad of the weights unless W is apart
                 end = time.perf_counter()
-                if not stage.is_first:
-                    sends.append((comm.isend(x.grad, self.prev_rank, self.group, label=f"pp/backward/mb{i}"),
-                                  x.grad))
+                if piece > 0:
+                    sends.append((comm.isend(x.grad, self._rank_of(piece - 1), self.group,
+                                             label=self._label("B", i, piece)), x.grad))
+                if self.weights is None:
+                    held.discard((c, i))
+            else:  # W: the linear layers' weight gradients, from the inputs and gradients B left
+                start = time.perf_counter()
+                self.weights.run((c, i))
+                end = time.perf_counter()
+                held.discard((c, i))
             timeline.append((a, start, end))
             if tr is not None:
-                tr.add(_trace.Event(tr.rank, "compute", "forward" if a.kind == "F" else "backward",
-                                    tr.label(f"mb{i}"), start, end))
+                op = {"F": "forward", "B": "backward", "W": "weight"}[a.kind]
+                tr.add(_trace.Event(tr.rank, "compute", op, tr.label(f"mb{i}" + (f"/chunk{c}" if v > 1 else "")),
+                                    start, end))
         for handle, _ in sends:
             handle.wait()
-        return StepRecord(total if stage.is_last else None, timeline, peak)
-
-    def _receives(self, b: int, S: int) -> _Receives:
-        """The messages this stage's actions wait for: action j's, if any, from the neighbour."""
-        wanted = {}
-        for j, a in enumerate(self.actions):
-            if a.kind == "F" and not self.spec.is_first:
-                wanted[j] = (self.prev_rank, f"pp/forward/mb{a.microbatch}")
-            elif a.kind == "B" and not self.spec.is_last:
-                wanted[j] = (self.next_rank, f"pp/backward/mb{a.microbatch}")
-        return _Receives(wanted, lambda: self.spec.boundary_buffer(b, S), self.group)
+        return StepRecord(total if self.stage == p - 1 else None, timeline, peak)  # the last piece is on rank p-1
 
 
 class _Receives:
-    """Receives posted ahead of need (``irecv``), so that a neighbour's send finds its buffer ready
-    and lands while this rank still computes; ``take`` waits for one and hands its tensor over.
-    ``new_buffer`` makes an empty tensor of the message's shape, dtype and device."""
+    """The messages this rank's actions wait for, received with ``irecv`` posted ahead of need so
+    that a neighbour's send finds its buffer ready and lands while this rank still computes.
 
-    def __init__(self, wanted: dict[int, tuple[int, str]], new_buffer: Callable[[], torch.Tensor], group):
-        self.wanted, self.new_buffer, self.group = wanted, new_buffer, group
-        self.posted: dict[int, tuple[comm.Handle, torch.Tensor]] = {}
+    From each neighbour, receives are posted in the order the neighbour sends (its table says
+    it): messages between two ranks are matched first to first."""
 
-    def post(self, j: int) -> None:
-        if j in self.wanted and j not in self.posted:
-            src, label = self.wanted[j]
-            buffer = self.new_buffer()  # (b, S, D)
-            self.posted[j] = (comm.irecv(buffer, src, self.group, label=label), buffer)
+    def __init__(self, pipe: Pipeline, b: int, S: int):
+        p, v, me = pipe.num_stages, pipe.virtual_stages, pipe.stage
+        last_piece = p * v - 1
+        self.pipe, self.shape = pipe, (b, S)
+        # per sending stage: the (kind, chunk, mb) of our actions its sends feed, in its order
+        self.streams: dict[int, list[tuple[str, int, int]]] = {}
+        for q, actions in enumerate(pipe.table):
+            for a in actions:
+                k = a.chunk * p + q
+                if a.kind == "F" and k < last_piece and (k + 1) % p == me:
+                    self.streams.setdefault(q, []).append(("F", (k + 1) // p, a.microbatch))
+                elif a.kind == "B" and k > 0 and (k - 1) % p == me:
+                    self.streams.setdefault(q, []).append(("B", (k - 1) // p, a.microbatch))
+        self.where = {key: (q, n) for q, keys in self.streams.items() for n, key in enumerate(keys)}
+        self.next_post = dict.fromkeys(self.streams, 0)  # per stream: how many are posted
+        self.posted: dict[tuple[str, int, int], tuple[comm.Handle, torch.Tensor]] = {}
+
+    def _key(self, j: int) -> tuple[str, int, int] | None:
+        a = self.pipe.actions[j]
+        key = (a.kind, a.chunk, a.microbatch)
+        return key if key in self.where else None
+
+    def _post_through(self, key: tuple[str, int, int]) -> None:
+        q, n = self.where[key]
+        pipe, stream = self.pipe, self.streams[q]
+        while self.next_post[q] <= n:
+            kind, chunk, mb = stream[self.next_post[q]]
+            sender_piece = chunk * pipe.num_stages + pipe.stage + (1 if kind == "B" else -1)
+            buffer = pipe.chunks[chunk].boundary_buffer(*self.shape)  # (b, S, D)
+            handle = comm.irecv(buffer, pipe.ranks[q], pipe.group, label=pipe._label(kind, mb, sender_piece))
+            self.posted[kind, chunk, mb] = (handle, buffer)
+            self.next_post[q] += 1
+
+    def post_ahead(self, j: int) -> None:
+        """Post the receives of actions j .. j + recv_ahead (and, in order, all before them)."""
+        for k in range(j, min(j + 1 + self.pipe.recv_ahead, len(self.pipe.actions))):
+            key = self._key(k)
+            if key is not None:
+                self._post_through(key)
 
     def take(self, j: int) -> torch.Tensor:
-        self.post(j)
-        handle, buffer = self.posted.pop(j)
+        key = self._key(j)
+        self._post_through(key)
+        handle, buffer = self.posted.pop(key)
         handle.wait()
         return buffer

@@ -93,7 +93,7 @@ class Option:
 COMMON = (
     Option("nproc", int, 4, "number of processes (ranks)", low=1),
     Option("steps", int, 4, "training steps", low=1, high=MAX_STEPS),
-    Option("model", str, "tiny", "model preset", choices=("tiny",)),
+    Option("model", str, "tiny", "model preset", choices=("tiny", "small")),
     Option("batch_size", int, 8, "global batch size (sequences)", low=1),
     Option("seq_len", int, 16, "tokens per sequence (at most the model's max_seq_len)", low=1),
     Option("lr", float, 3e-3, "AdamW learning rate", low=0),

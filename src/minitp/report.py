@@ -46,6 +46,7 @@ class Report:
     start_step: int = 0
     comm_bytes_traced_by_dim: list[dict[str, float]] = field(default_factory=list)  # per rank {dim: bytes}
     comm_bytes_expected_by_dim: list[dict[str, float]] = field(default_factory=list)
+    predicted_step_s: float | None = None  # the time model on this machine's calibration (None: none stored)
     details: dict[str, Any] = field(default_factory=dict)  # what only this strategy reports
     results: Any = field(default=None, repr=False, compare=False)  # minitp.launch.Results, with traces
 
@@ -151,6 +152,11 @@ def check(report: Report | dict, tolerance: float | None = None) -> list[str]:
     return problems
 
 
+# the ideal bubble of each pipeline schedule (minitp.cost.pp_bubble_fraction), as the report prints it
+_BUBBLE_FORMULA = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v·m+p-1)",
+                   "zb": "(p-1)/(3m+p-1) with F=B=W"}
+
+
 def format_report(report: Report | dict) -> str:
     """The short table ``minitp run`` prints."""
     if isinstance(report, dict):
@@ -158,7 +164,7 @@ def format_report(report: Report | dict) -> str:
     lay = report.layout
     lines = [
         f"minitp run {report.strategy}: {report.world_size} ranks "
-        f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}), model {report.model} "
+        f"({' '.join(f'{k}={v}' for k, v in lay.items())}), model {report.model} "
         f"({report.num_params:,} parameters), {report.steps} steps, global batch {report.batch_size}",
         "",
         f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'|diff|':>9}",
@@ -180,20 +186,33 @@ def format_report(report: Report | dict) -> str:
                   + ", ".join(f"{p:,}" for p in report["gathered_peak"])
                   + f"  (formula {report['gathered_peak_expected'][0]:,})"]
     if report.comm_bytes_expected_by_dim:  # the bytes split by mesh dimension
+        extra = sorted({d for e in report.comm_bytes_expected_by_dim for d in e} - set(DIMS))  # e.g. "ep"
+        dims = [*DIMS, *extra]
         lines += ["", f"{'rank':>4}  {'(dp,pp,tp)':>10}  "
-                      + "  ".join(f"{dim + ' traced':>12}  {dim + ' formula':>12}" for dim in DIMS)]
+                      + "  ".join(f"{dim + ' traced':>12}  {dim + ' formula':>12}" for dim in dims)]
         for r, (t, e) in enumerate(zip(report.comm_bytes_traced_by_dim, report.comm_bytes_expected_by_dim)):
             coords = "(" + ",".join(str(c) for c in report["coords"][r]) + ")"
             lines.append(f"{r:>4}  {coords:>10}  "
-                         + "  ".join(f"{t.get(dim, 0.0):>12,.0f}  {e.get(dim, 0.0):>12,.0f}" for dim in DIMS))
+                         + "  ".join(f"{t.get(dim, 0.0):>12,.0f}  {e.get(dim, 0.0):>12,.0f}" for dim in dims))
     if "bubble_fraction_measured" in report:
         lines += ["", f"schedule {report['schedule']}, {report['microbatches']} micro-batches; "
                       f"bubble (idle share of the step) measured {report['bubble_fraction_measured']:.3f}, "
-                      f"expected (p-1)/(m+p-1) = {report['bubble_fraction_expected']:.3f}; per rank "
+                      f"expected {_BUBBLE_FORMULA.get(report.get('schedule'), '(p-1)/(m+p-1)')} = "
+                      f"{report['bubble_fraction_expected']:.3f}; per rank "
                   + ", ".join(f"{b:.3f}" for b in report["bubble_fraction_measured_per_rank"]),
                   "peak micro-batches in flight per rank: "
                   + ", ".join(str(p) for p in report["peak_microbatches_in_flight"])
                   + "  (formula " + ", ".join(str(p) for p in report["peak_microbatches_in_flight_expected"]) + ")"]
+    measured = sorted(report.step_s)[len(report.step_s) // 2] if report.step_s else 0.0
+    if report.predicted_step_s is not None:
+        lines += ["", f"step time: measured {measured * 1e3:.1f} ms (median rank), predicted "
+                      f"{report.predicted_step_s * 1e3:.1f} ms (minitp.cost.step_time, this machine's calibration)"]
+        if "load_average" in report:
+            lines.append(f"  load average {report['load_average']:.1f} while it ran; the prediction assumes "
+                         "nothing else shares the cores")
+    else:
+        lines += ["", f"step time: measured {measured * 1e3:.1f} ms (median rank); no prediction: "
+                      + report.get("predicted_step_note", "this machine is not calibrated (minitp calibrate)")]
     lines += ["", "bytes: payload each rank sent (ring model) and bytes held after the last step",
               f"wall time {report.wall_s:.2f} s (start-up included)"]
     problems = check(report)

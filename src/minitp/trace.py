@@ -13,10 +13,12 @@ Two byte counts are kept per message (see ``minitp.cost`` for the formulas):
 
 * ``bytes``: the size of the logical buffer of the operation, ``numel * itemsize`` of the tensor
   the collective is about: the reduced buffer of an all-reduce, the full (gathered) output of an
-  all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send or recv.
+  all-gather, the full input of a reduce-scatter, this rank's whole input of an all-to-all (its
+  rows for every rank), the tensor of a broadcast, send or recv.
 * ``sent_bytes``: the payload bytes this rank puts on the wire for that call under the ring
   algorithm (all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes, a
-  chain broadcast bytes for every rank but the last of the chain, send bytes, recv 0). Headers,
+  chain broadcast bytes for every rank but the last of the chain, all-to-all bytes less the chunk
+  addressed to itself, send bytes, recv 0). Headers,
   retransmits and the backend's own choice of algorithm are not counted: it is a model of the
   payload, computed from the recorded call, the same model ``minitp.cost`` uses for a strategy.
 """
@@ -36,7 +38,7 @@ class Event:
 
     rank: int
     kind: str  # "comm" or "compute"
-    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, or a compute name
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, or a compute name
     label: str  # where it came from, e.g. "ddp/bucket3" or "backward/layers.1"
     start: float  # time.perf_counter() seconds on the recording process
     end: float

@@ -16,6 +16,7 @@ all-reduce         2(n-1)/n · B            a reduce-scatter then an all-gather
 all-gather         (n-1)/n · B             n-1 steps, each passing one of n chunks on
 reduce-scatter     (n-1)/n · B             the same steps, adding as it goes
 broadcast          B (0 for the chain end)  a pipelined chain from the source
+all-to-all         B - B_self              each chunk goes straight to its rank; its own stays
 send / recv        B / 0
 =================  ======================  ============================================
 
@@ -41,12 +42,17 @@ from minitp.layout import (  # noqa: F401  (check_3d_layout and num_buckets: pub
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
-def collective_sent_bytes(op: str, nbytes: int, n: int, position: int = 0) -> float:
+def collective_sent_bytes(op: str, nbytes: int, n: int, position: int = 0,
+                          kept_bytes: float | None = None) -> float:
     """Bytes one rank sends for one call of ``op`` on a buffer of ``nbytes`` over ``n`` ranks.
 
     ``position`` is only used by broadcast: the rank's place along the chain that starts at the
     source (0 for the source, n-1 for the last rank, which forwards nothing).
+    ``kept_bytes`` is only used by all-to-all: the bytes of this rank's input that are addressed to
+    itself and never leave it (an even split keeps B/n, the default).
     """
+    if op == "all_to_all":  # every chunk but its own goes straight to its rank
+        return 0.0 if n <= 1 else float(nbytes - (nbytes / n if kept_bytes is None else kept_bytes))
     if op == "send":
         return float(nbytes)
     if op == "recv" or n <= 1:
@@ -58,7 +64,7 @@ def collective_sent_bytes(op: str, nbytes: int, n: int, position: int = 0) -> fl
     if op == "broadcast":
         return float(nbytes) if position < n - 1 else 0.0
     raise ValueError(f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter, "
-                     "broadcast, send or recv")
+                     "broadcast, all_to_all, send or recv")
 
 
 # -- data parallel ---------------------------------------------------------------------------------
@@ -203,6 +209,7 @@ def fsdp_gathered_peak_bytes(unit_numels: list[int], world_size: int, zero: int 
 #   attention    the same as the MLP                    the same as the MLP
 #   block        4 all-reduces of A                     4 RS + 4 AG of A, + 2 all-reduces of D·b
 #                                                       (the norm weights' partial gradients)
+#   full recompute  + 2 all-reduces of A (forward again)  + 2 AG + 2 RS of A
 #   embedding    1 all-reduce of A (fwd)                1 RS (fwd) + 1 AG (bwd)
 #   output       1 all-reduce of A (f, bwd)             1 AG (fwd) + 1 RS (bwd), + D·b for the final norm
 #   loss         all-reduces of B·S·4 (max) and 2·B·S·4 (sum of exps, target logit), fp32 either way
@@ -228,10 +235,17 @@ def tp_mlp_bytes(batch: int, seq: int, dim: int, tp: int, dtype_bytes: int = 4) 
 
 
 def tp_block_bytes(batch: int, seq: int, dim: int, tp: int, sequence_parallel: bool = False,
-                   dtype_bytes: int = 4) -> float:
+                   dtype_bytes: int = 4, recompute: bool | str = False) -> float:
     """One step of one transformer block: attention and MLP, each 2 all-reduces of B·S·D·b; under
-    sequence parallel also the all-reduce of each norm weight's gradient (D·b, twice)."""
+    sequence parallel also the all-reduce of each norm weight's gradient (D·b, twice).
+
+    recompute: with full recomputation ("full" or True) backward runs the block's forward again, and
+    with it forward's collectives (g's all-reduce after attention and after the MLP, or their
+    all-gather and reduce-scatter under sequence parallel): 6 per block instead of 4. Selective
+    recomputation re-does only attention's scores inside each rank's heads: no extra messages."""
     total = 2 * tp_region_bytes(batch, seq, dim, tp, sequence_parallel, dtype_bytes)
+    if recompute in (True, "full"):  # forward's half again
+        total += tp_region_bytes(batch, seq, dim, tp, sequence_parallel, dtype_bytes)
     if sequence_parallel:
         total += 2 * collective_sent_bytes("all_reduce", dim * dtype_bytes, tp)
     return total
@@ -294,19 +308,24 @@ def tp_mlp_params_per_rank(dim: int, hidden: int, tp: int) -> int:
 # stage holds its blocks, the first also the embedding (V·D), the last the final norm and the output
 # layer (D + D·V). Bubble: (p-1)/(m+p-1) of the step with equal stage times.
 
-def pp_step_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, dtype_bytes: int = 4) -> float:
+def pp_step_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, dtype_bytes: int = 4,
+                  virtual_stages: int = 1) -> float:
     """Bytes stage ``stage`` of ``pp`` sends in one step: the activations of the whole batch forward
-    (unless last), their gradients backward (unless first)."""
+    (unless last), their gradients backward (unless first). Interleaved over ``virtual_stages`` v
+    chunks per rank, each of its v chunks sends both ways, except the model's very first piece
+    (rank 0, chunk 0: no gradient back) and very last (rank p-1, last chunk: no activation on)."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is not a stage of pp={pp}")
     a = batch * seq * dim * dtype_bytes  # m micro-batches of (B/m)·S·D
-    return float(a * (stage < pp - 1) + a * (stage > 0))
+    v = virtual_stages
+    return float(a * (v - (stage == pp - 1)) + a * (v - (stage == 0))) if pp > 1 else 0.0
 
 
-def pp_run_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, steps: int, dtype_bytes: int = 4) -> float:
+def pp_run_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, steps: int, dtype_bytes: int = 4,
+                 virtual_stages: int = 1) -> float:
     """Bytes a stage sends over ``steps`` steps (nothing at start-up: every rank builds the model
     from the same seed and keeps its own blocks)."""
-    return steps * pp_step_bytes(batch, seq, dim, pp, stage, dtype_bytes)
+    return steps * pp_step_bytes(batch, seq, dim, pp, stage, dtype_bytes, virtual_stages)
 
 
 def pp_stage_params(cfg, blocks: int, first: bool, last: bool) -> int:
@@ -325,113 +344,49 @@ def pp_memory_per_rank(cfg, blocks: int, first: bool, last: bool, precision: str
                            num_tensors=num_tensors)
 
 
-def pp_bubble_fraction(pp: int, microbatches: int) -> float:
-    """The idle share of a step with equal stages: (p-1)/(m+p-1). The step takes m+p-1 slots of
-    one micro-batch's forward and backward; each stage computes in m of them (GPipe and 1F1B alike)."""
+def pp_bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """The idle share of a step with equal stages.
+
+    GPipe and 1F1B: (p-1)/(m+p-1): the step takes m+p-1 slots of one micro-batch's forward and
+    backward, each stage computes in m of them. Interleaved (v chunks per rank): (p-1)/(v·m+p-1),
+    filling and draining costs p-1 slots of one chunk, 1/v of a stage. Zero-bubble ZB-H1, with F, B
+    and W equally long (a backward twice a forward, cut in two halves): (p-1)/(3m+p-1) in units of
+    one F, since only B's travel back through the pipe (Qi et al. 2023); with m < p every stage
+    also waits p-m more slots."""
     if pp < 1 or microbatches < 1:
         raise ValueError(f"pp and microbatches must be >= 1, got pp={pp}, microbatches={microbatches}")
-    return (pp - 1) / (microbatches + pp - 1)
+    p, m, v = pp, microbatches, virtual_stages
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zb":
+        idle = p - 1 + max(p - m, 0)
+        return idle / (3 * m + idle)
+    raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b, interleaved or zb")
 
 
-def pp_peak_microbatches_in_flight(pp: int, microbatches: int, stage: int, schedule: str) -> int:
+def pp_peak_microbatches_in_flight(pp: int, microbatches: int, stage: int, schedule: str,
+                                   virtual_stages: int = 1) -> int:
     """The most micro-batches whose activations a stage holds at once: GPipe all m; 1F1B at most
-    p - stage (its warm-up forwards plus the one of the steady state), and never more than m."""
+    p - stage (its warm-up forwards plus the one of the steady state), and never more than m.
+    Interleaved counts (micro-batch, chunk) sets, each 1/v of a stage's: its warm-up 2(p-s-1) + (v-1)p
+    plus one, at most v·m. ZB-H1 holds a micro-batch from F to W: p on every stage (at most m)."""
+    p, m, s, v = pp, microbatches, stage, virtual_stages
     if schedule == "gpipe":
-        return microbatches
+        return m
     if schedule == "1f1b":
-        return min(pp - stage, microbatches)
-    raise ValueError(f"unknown schedule {schedule!r}; expected gpipe or 1f1b")
+        return min(p - s, m)
+    if schedule == "interleaved":
+        return min(2 * (p - s - 1) + (v - 1) * p + 1, v * m)
+    if schedule == "zb":
+        return min(p, m)
+    raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b, interleaved or zb")
 
 
-# -- 3D: data × pipeline × tensor parallel, and the layout planner -----------------------------------
-# A rank at mesh position (d, s, t) holds stage s's blocks, each matrix split over tp (the RMSNorm
-# weights replicated), the first stage also the embedding (V/tp rows), the last the final norm and the
-# output layer (V/tp rows). It reads B/dp sequences of the global batch, cut into m micro-batches when
-# pp > 1. Per step it sends, in each dimension (A = (B/dp)·S·D·b, the activations of its whole share):
-#
-#   tp   its stage's part of tp_step_bytes at batch B/dp: 4 all-reduces of A per block, 1 for the
-#        embedding (first stage), 1 for the output layer and the loss's (B/dp)·S·12 bytes (last stage)
-#   pp   pp_step_bytes at batch B/dp: A forward unless last, A backward unless first
-#   dp   DDP: an all-reduce of its Ψ_rank gradients; FSDP: fsdp_step_bytes of its units over dp
-#
-# A dimension of size 1 sends nothing (every formula above gives 0 at n = 1).
-
-def stage_unit_numels(cfg, tp: int, pp: int, stage: int) -> list[int]:
-    """Parameters a rank of stage ``stage`` holds, per FSDP unit (root first when it has any: the
-    embedding on the first stage, final norm and output layer on the last), after the tp split."""
-    d, v = cfg.dim, cfg.vocab_size
-    per_block = (cfg.num_params() - 2 * v * d - d) // cfg.n_layers  # its 2 norm weights included
-    block = (per_block - 2 * d) // tp + 2 * d
-    root = (v * d // tp if stage == 0 else 0) + (d + d * v // tp if stage == pp - 1 else 0)
-    return ([root] if root else []) + [block] * stage_num_blocks(cfg.n_layers, pp, stage)
-
-
-def stage_num_tensors(cfg, pp: int, stage: int) -> int:
-    """Parameter tensors a rank of stage ``stage`` holds: 9 per block (wq wk wv wo w1 w2 w3 and two
-    norms), the embedding on the first stage, the final norm and output layer on the last."""
-    return 9 * stage_num_blocks(cfg.n_layers, pp, stage) + (stage == 0) + 2 * (stage == pp - 1)
-
-
-def threed_params_per_rank(cfg, tp: int, pp: int, stage: int) -> int:
-    """Ψ_rank: parameters a rank of stage ``stage`` holds under tp (before any data-parallel sharding)."""
-    return sum(stage_unit_numels(cfg, tp, pp, stage))
-
-
-def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stage: int, dp_rank: int = 0,
-                      data_parallel: str = "ddp", zero: int = 3, steps: int = 1, activation_bytes: int = 4,
-                      param_bytes: int = 4, grad_bytes: int = 4, start_up: bool = False,
-                      state_dict: bool = False) -> dict[str, float]:
-    """Bytes a rank at (dp_rank, stage, ·) sends over ``steps`` steps, per dimension: {"tp","pp","dp"}.
-
-    data_parallel: "ddp" (an all-reduce of the gradients; with ``start_up`` the first rank's
-    broadcast of the parameters) or "fsdp" (ZeRO ``zero``; with ``state_dict`` the final all-gather
-    of the full parameters). FSDP's parameter gathers use ``param_bytes``, its gradient sums 4 bytes.
-    """
-    check_divisible("batch_size", batch, "dp", dp)
-    b, d = batch // dp, cfg.dim
-    a = b * seq * d * activation_bytes
-    first, last = stage == 0, stage == pp - 1
-    tp_bytes = stage_num_blocks(cfg.n_layers, pp, stage) * tp_block_bytes(b, seq, d, tp, False, activation_bytes)
-    if first:  # the embedding's g
-        tp_bytes += collective_sent_bytes("all_reduce", a, tp)
-    if last:  # the output layer's f, and the loss's max and (sum of exps, target logit), fp32
-        tp_bytes += collective_sent_bytes("all_reduce", a, tp)
-        tp_bytes += collective_sent_bytes("all_reduce", b * seq * 4, tp)
-        tp_bytes += collective_sent_bytes("all_reduce", 2 * b * seq * 4, tp)
-    pp_bytes = pp_step_bytes(b, seq, d, pp, stage, activation_bytes)
-    numels = stage_unit_numels(cfg, tp, pp, stage)
-    if data_parallel == "ddp":
-        dp_bytes = ddp_run_bytes(sum(numels), dp, steps, dp_rank, param_bytes, grad_bytes, start_up) / steps
-    elif data_parallel == "fsdp":
-        dp_bytes = fsdp_run_bytes(numels, dp, steps, zero, True, param_bytes, 4, stage == 0 or last, state_dict) / steps
-    else:
-        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
-    return {"tp": steps * tp_bytes, "pp": steps * pp_bytes, "dp": steps * dp_bytes}
-
-
-def threed_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, data_parallel: str = "ddp",
-                           zero: int = 3, precision: str = "fp32") -> dict[str, float]:
-    """Bytes a rank of stage ``stage`` holds in parameters, gradients and AdamW state: its own Ψ_rank,
-    sharded over dp by FSDP (ZeRO ``zero``; units padded to a multiple of dp) or whole under DDP."""
-    if data_parallel == "fsdp" and dp > 1:
-        return fsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage), dp, zero, precision)
-    return memory_per_rank(threed_params_per_rank(cfg, tp, pp, stage), 1, zero=0, precision=precision,
-                           num_tensors=stage_num_tensors(cfg, pp, stage))
-
-
-def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
-                              microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
-                              recompute: bool = False) -> float:
-    """An estimate (not measured by minitp) of the activations a rank keeps for backward under 1F1B,
-    after Korthikanti et al. 2022 (tensor parallel without sequence parallel): per block and
-    micro-batch s·b·D·(10 + 24/tp) bytes in 16-bit, plus 5·H·s²·b/tp for the attention scores unless
-    ``flash_attention`` (which never stores them); with ``recompute`` (full activation recomputation)
-    only each block's input, 2·s·b·D. Scaled by ``dtype_bytes``/2, times the stage's blocks, times the
-    micro-batches in flight (min(pp - stage, m))."""
-    s, b, d = seq, micro_batch, cfg.dim
-    if recompute:
-        per_block = 2 * s * b * d
-    else:
-        per_block = s * b * d * (10 + 24 / tp) + (0 if flash_attention else 5 * cfg.n_heads * s * s * b / tp)
-    in_flight = min(pp - stage, microbatches)
-    return per_block * dtype_bytes / 2 * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
+# the 3D formulas (and activation memory) live in their own files, re-exported here
+from minitp.cost.activations import *  # noqa: E402,F401,F403
+from minitp.cost.context import *  # noqa: E402,F401,F403
+from minitp.cost.experts import *  # noqa: E402,F401,F403
+from minitp.cost.threed import *  # noqa: E402,F401,F403
+from minitp.cost.time import *  # noqa: E402,F401,F403

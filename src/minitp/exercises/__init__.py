@@ -1,16 +1,35 @@
 """Checkers the notebook exercises call. Each runs the learner's answer (on several processes when
 that is the point), compares it with minitp's own, and raises ``ExerciseError`` with a message that
-says what is wrong and hints at why; it prints one line when the answer is right."""
+says what is wrong and hints at why; it prints one line when the answer is right.
+
+In a notebook an ``ExerciseError`` shows as its message alone (``_render_traceback_``): no frame of the
+checker's own code. A rank's failure keeps only the frames of the learner's code (``learner_frames``).
+How learner copies and the website treat the cells that call a checker: ``minitp.exercises.student``.
+"""
 
 from __future__ import annotations
+
+import os
+import re
+import traceback
 
 from minitp.launch import LaunchTimeout, RankError, launch
 
 HANG_HINT = "Every rank must join every collective (the same ones, in the same order)."
+NOT_DONE = "not done yet (the function still raises NotImplementedError)."
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../minitp
+_MACHINERY = (os.path.join(_PACKAGE, "exercises") + os.sep, os.path.join(_PACKAGE, "launch"))
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in ')
 
 
 class ExerciseError(AssertionError):
     """The answer is wrong or missing; the message says how."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: the message, not the checker's frames that raised it."""
+        lines = str(self).splitlines() or [""]
+        return [f"\x1b[1;31mExerciseError\x1b[0m: {lines[0]}", *lines[1:]]
 
 
 def not_implemented(exc: BaseException) -> bool:
@@ -22,21 +41,75 @@ def passed(name: str, detail: str = "") -> None:
     print(f"[ok] {name}: correct" + (f" ({detail})" if detail else ""))
 
 
+def _is_machinery(path: str) -> bool:
+    """A frame of the checkers, of launch, of the interpreter's own modules or of torch."""
+    path = os.path.abspath(path) if not path.startswith("<") else path
+    if path.startswith(_MACHINERY):
+        return True
+    return f"{os.sep}torch{os.sep}" in path or path.startswith(os.path.dirname(os.__file__) + os.sep)
+
+
+def learner_frames(remote_traceback: str) -> str:
+    """A traceback's text with the checker's and launch's frames (and torch's, Python's) taken out.
+
+    Frames of the learner's code (a notebook cell, a script) and of minitp's library stay; the frame
+    where the error was raised stays whatever it is. Headers and the exception lines stay.
+    """
+    lines = remote_traceback.rstrip("\n").splitlines()
+    blocks: list[tuple[str | None, list[str]]] = []  # (file of the frame or None, its lines)
+    for line in lines:
+        match = _FRAME.match(line)
+        if match:
+            blocks.append((match.group("file"), [line]))
+        elif line.startswith("    ") and blocks and blocks[-1][0] is not None:
+            blocks[-1][1].append(line)  # the frame's source line (and its ^^^ marks)
+        else:
+            blocks.append((None, [line]))
+    kept: list[str] = []
+    for index, (path, block) in enumerate(blocks):
+        innermost = path is not None and (index + 1 == len(blocks) or blocks[index + 1][0] is None)
+        if path is None or innermost or not _is_machinery(path):
+            kept.extend(block)
+    return "\n".join(kept) + "\n"
+
+
+def call_answer(name: str, answer, *args, hint: str = "", **kwargs):
+    """Call the learner's ``answer(*args, **kwargs)`` in this process for a checker. The stub becomes
+    ``ExerciseError`` "not done yet"; any other error becomes ``ExerciseError`` naming it, with the
+    frames of the learner's code only (and ``hint`` after it)."""
+    try:
+        return answer(*args, **kwargs)
+    except NotImplementedError:
+        raise ExerciseError(f"{name}: {NOT_DONE} Replace the stub with your answer and run the check again.") \
+            from None
+    except Exception as error:
+        frames = traceback.format_exception(type(error), error, error.__traceback__)
+        text = learner_frames("".join(frames))
+        raise ExerciseError(f"{name}: your code raised {type(error).__name__}: {error}"
+                            + (f"\n{hint}" if hint else "") + f"\n\nWhere:\n{text}") from None
+
+
 def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.0, hint: str = "",
                hang_hint: str = HANG_HINT):
     """Launch ``worker(*args)`` on ``nprocs`` ranks for a checker. A stub, a crash or a hang becomes
-    one ``ExerciseError`` that says which: "not done yet", the failing rank's error and traceback
-    (with ``hint`` after it), or which ranks never finished (with ``hang_hint``)."""
+    one ``ExerciseError`` that says which: "not done yet", the failing rank's error and the frames of
+    the learner's code (with ``hint`` after it), or which ranks never finished (with ``hang_hint``)."""
     try:
         return launch(worker, nprocs, *args, timeout=timeout, echo=False)
     except RankError as err:
         if not_implemented(err):
-            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
+            raise ExerciseError(f"{name}: {NOT_DONE} "
                                 "Replace the stub with your answer and run the check again.") from None
         last = err.remote_traceback.strip().splitlines()[-1] if err.remote_traceback.strip() else str(err)
         raise ExerciseError(f"{name}: on {nprocs} ranks, rank {err.rank} raised {last}"
-                            + (f"\n{hint}" if hint else "") + f"\n\nIts traceback:\n{err.remote_traceback}") from None
+                            + (f"\n{hint}" if hint else "")
+                            + f"\n\nRank {err.rank}'s traceback (your code):\n{learner_frames(err.remote_traceback)}") \
+            from None
     except LaunchTimeout as err:
         stuck = ", ".join(f"rank {r}" for r in sorted(err.stacks))
         raise ExerciseError(f"{name}: the run on {nprocs} ranks hung ({stuck} never finished) and was stopped "
                             f"after {timeout:g} s. {hang_hint}") from None
+
+
+__all__ = ["ExerciseError", "HANG_HINT", "NOT_DONE", "call_answer", "learner_frames", "not_implemented", "passed",
+           "run_answer"]

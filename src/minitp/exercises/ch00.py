@@ -8,6 +8,10 @@
   (n-1)/n * B per rank.
 * ``check_ring_bytes(fn)``: ``fn(op, nbytes, n)`` gives the bytes one rank sends for a ring
   all-reduce, all-gather or reduce-scatter; compared with ``minitp.cost``.
+* ``check_tree_broadcast(fn)``: ``fn(tensor, src)`` copies rank ``src``'s tensor to every rank along a
+  binomial tree of sends and receives (the ranks that have it double each round). Run on 4 ranks from
+  rank 0 and on 6 from rank 2; compared with ``comm.broadcast``, and the trace with the tree: each
+  rank receives once, and no path from ``src`` is longer than ⌈log2 n⌉ messages.
 
 The inputs are small random integers stored as floats, so every sum is exact whatever order the
 additions run in, and a wrong value can be traced back to which ranks' data it holds.
@@ -227,3 +231,74 @@ def _bytes_hint(op: str, got: float, B: int, n: int) -> str:
     if near(steps * B / (n - 1)):
         return "Count the steps again: n ranks need n - 1 steps per phase (a rank never sends to itself)."
     return f"Count the steps ({steps} for {op} on {n} ranks) and the bytes of each step (one chunk, B/n)."
+
+
+# -- exercise 4: a tree broadcast ----------------------------------------------------------------
+def _broadcast_worker(fn, src: int, numel: int = 5):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    data = _inputs(src, numel, seed=3)
+    expected = data.clone() if rank == src else torch.zeros(numel)
+    with trace.scope("reference"):
+        comm.broadcast(expected, src=src)
+    tensor = data.clone() if rank == src else torch.zeros(numel)
+    with trace.scope(_ANSWER):
+        fn(tensor, src)
+    return {"tensor": tensor, "expected": expected}
+
+
+def _tree_depth(received_from: dict[int, int], src: int, n: int) -> int:
+    """The most messages in a row from ``src`` to any rank, following who each rank received from."""
+    deepest = 0
+    for rank in range(n):
+        hops, at = 0, rank
+        while at != src and hops <= n:
+            at, hops = received_from.get(at, src), hops + 1
+        deepest = max(deepest, hops)
+    return deepest
+
+
+def check_tree_broadcast(fn, runs: tuple[tuple[int, int], ...] = ((4, 0), (6, 2)), timeout: float = 20.0) -> None:
+    """Run ``fn(tensor, src)`` for each (world size, src); every rank must end with src's tensor, sent
+    along a tree at most ⌈log2 n⌉ messages deep."""
+    name = "tree broadcast"
+    for n, src in runs:
+        results = run_answer(_broadcast_worker, n, (fn, src), name, timeout, hang_hint=(
+            "Every recv needs a matching send: in round k (step = 2**k) the ranks at distance d < step from src "
+            "send to the rank at distance d + step, and the ranks at distance step <= d < 2·step receive from "
+            "the rank at distance d - step (distance d = (rank - src) % n)."))
+        where = f"on {n} ranks from src = {src}"
+        for rank, r in enumerate(results):
+            if not torch.equal(r["tensor"], r["expected"]):
+                what = "zeros: it received nothing, or a copy sent before the sender had it" \
+                    if not r["tensor"].any() else f"{r['tensor'].tolist()}"
+                raise ExerciseError(f"{name} {where}: rank {rank} ends with {what}; expected src's tensor "
+                                    f"{r['expected'].tolist()}. A rank may send only after it has received (or "
+                                    "is src); receive into `tensor` itself.")
+        _check_ops(results, name, "the broadcast")
+        received_from = {}
+        for tr in results.traces:
+            recvs = [e for e in _answer_events(tr) if e.op == "recv"]
+            if tr.rank != src and len(recvs) != 1:
+                raise ExerciseError(f"{name} {where}: the values are right, but rank {tr.rank} received {len(recvs)} "
+                                    "messages; in a tree every rank but src receives exactly once.")
+            if recvs:
+                received_from[tr.rank] = recvs[0].peer
+        deepest = _tree_depth(received_from, src, n)
+        rounds = math.ceil(math.log2(n))
+        sends = [sum(e.op == "send" for e in _answer_events(tr)) for tr in results.traces]
+        if deepest > rounds:
+            shape = "a chain: each rank passes it on to the next" if deepest == n - 1 else "a deep tree"
+            raise ExerciseError(f"{name} {where}: the values are right, but the data took {deepest} messages in a "
+                                f"row to reach its farthest rank ({shape}); a binomial tree needs only "
+                                f"⌈log2 n⌉ = {rounds}: in each round every rank that has the data sends it on, "
+                                "so the number that have it doubles.")
+        busiest = max(range(n), key=lambda k: sends[k])
+        if sends[busiest] > rounds:
+            raise ExerciseError(f"{name} {where}: the values are right, but rank {busiest} sent {sends[busiest]} "
+                                "messages, one after another, while the ranks that already had the data sent "
+                                f"none; a binomial tree takes ⌈log2 n⌉ = {rounds} rounds: each round, every rank "
+                                "that has the data sends it on, so the number that have it doubles.")
+    passed(name, f"matches broadcast on {' and '.join(str(n) for n, _ in runs)} ranks; every rank received "
+                 "once, at most ⌈log2 n⌉ messages from src")

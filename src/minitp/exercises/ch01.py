@@ -8,6 +8,11 @@
   mean and with the trace: exactly one all-reduce of the bucket's bytes.
 * ``check_ddp_bytes(fn)``: ``fn(num_params, world_size, grad_bytes)`` gives the bytes one rank sends per
   DDP step; compared with ``minitp.cost.ddp_step_bytes``.
+* ``check_bucketed_ddp(cls)``: ``cls(model, bucket_bytes)`` registers gradient hooks that launch one
+  asynchronous all-reduce per bucket while backward runs; ``finish()`` waits and writes the averages
+  into ``.grad``. Run on 4 processes for two SGD steps; checked against one process on the
+  whole batch and ``minitp.ddp``, the launch times against the gradients' (before backward ends), the
+  bytes against ``minitp.cost.ddp_step_bytes``.
 
 Batch rows and gradients are small integers stored as floats: sums are exact whatever the order, and a
 wrong value points at where it came from (another rank's rows, a sum instead of a mean).
@@ -15,11 +20,13 @@ wrong value points at where it came from (another rank's rows, a sum instead of 
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 
 import torch
 
-from minitp import cost, trace
+from minitp import cost, ddp, trace
 from minitp.exercises import ExerciseError, passed, run_answer
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
@@ -195,4 +202,150 @@ def check_ddp_bytes(fn) -> None:
     passed(name, "2(n-1)/n · Ψ · b per rank, as minitp.cost.ddp_step_bytes")
 
 
-__all__ = ["check_split_batch", "check_average_bucket", "check_ddp_bytes"]
+# -- exercise 4: bucketed DDP with gradient hooks ------------------------------------------------------
+_BUCKET_BYTES = 600  # the test MLP's six parameters fall into three buckets of at most 600 B (one larger, alone)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
+
+
+def _grads(model) -> dict[str, torch.Tensor | None]:
+    return {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _ddp_worker(cls, steps: int, bucket_bytes: int):
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = _mlp()
+    single, local, library = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    ready_at: dict[str, float] = {}  # when autograd finished each of the learner's gradients
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: ready_at.__setitem__(name, time.perf_counter()))
+    with trace.scope("library"):
+        reference_ddp = ddp.DistributedDataParallel(library, bucket_mb=bucket_bytes / 2**20)
+    with trace.scope(_ANSWER):
+        answer = cls(model, bucket_bytes)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (model, single, library)]
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(4 * n, 8, generator=g), torch.randn(4 * n, 4, generator=g)  # the global batch
+        mine = slice(rank * 4, (rank + 1) * 4)
+        for m in (model, single, local, library):
+            m.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
+        ready_at.clear()
+        with trace.scope(f"{_ANSWER}/step{step}"):
+            loss.backward()
+            backward_ended = time.perf_counter()
+            answer.finish()
+        torch.nn.functional.mse_loss(single(x), y).backward()  # one process, the whole batch
+        torch.nn.functional.mse_loss(local(x[mine]), y[mine]).backward()  # this rank alone, not averaged
+        with trace.scope(f"library/step{step}"):
+            torch.nn.functional.mse_loss(reference_ddp(x[mine]), y[mine]).backward()
+        out.append({"grads": _grads(model), "single": _grads(single), "local": _grads(local),
+                    "library": _grads(library), "last_grad_at": max(ready_at.values(), default=0.0),
+                    "backward_ended": backward_ended})
+        for opt in optimizers:
+            opt.step()
+        local.load_state_dict(model.state_dict())
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    single_params = {k: p.detach().clone() for k, p in single.named_parameters()}
+    return {"steps": out, "params": params, "single_params": single_params}
+
+
+def _close(a, b) -> bool:
+    return a is not None and b is not None and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _check_ddp_values(name: str, where: str, got: dict, n: int, buckets: list[list[str]]) -> None:
+    wrong = [k for k in got["single"] if not _close(got["grads"][k], got["single"][k])]
+    if not wrong:
+        return
+    k = wrong[0]
+    g, want, own = got["grads"][k], got["single"][k], got["local"][k]
+    if g is None:
+        raise ExerciseError(f"{name} {where}: {k}.grad is None after finish(); backward filled it, so it was "
+                            "dropped: write the averaged values back into each parameter's .grad.")
+    if all(_close(got["grads"][j], n * got["single"][j]) for j in wrong):
+        raise ExerciseError(f"{name} {where}: the gradients are the SUM over the ranks, {n} times the mean "
+                            "(one process on the whole batch). Divide each bucket by the world size.")
+    unsent = [b for b in buckets if all(_close(got["grads"][j], got["local"][j]) for j in b)]
+    if unsent:
+        raise ExerciseError(f"{name} {where}: the gradients of {', '.join(unsent[0])} are still this rank's own: "
+                            "their bucket was never all-reduced, or its result never copied back. A bucket "
+                            "is launched when its last parameter's hook has fired; count every parameter.")
+    if _close(g, own / n):
+        raise ExerciseError(f"{name} {where}: {k}.grad is this rank's gradient divided by n: the all-reduced "
+                            "buffer was not the one copied back (torch.cat makes a copy; wait, then read it).")
+    raise ExerciseError(f"{name} {where}: {k}.grad differs from one process on the whole batch by "
+                        f"{(g - want).abs().max().item():.3g} (wrong offsets when copying back?).")
+
+
+def check_bucketed_ddp(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, timeout: float = 60.0) -> None:
+    """``cls(model, bucket_bytes)`` must average gradients with one async all-reduce per bucket, launched
+    from gradient hooks during backward; ``finish()`` completes them."""
+    name = "bucketed DDP"
+    probe = _mlp()
+    params = [p for p in probe.parameters()][::-1]
+    names = {id(p): k for k, p in probe.named_parameters()}
+    buckets = [[names[id(p)] for p in b] for b in ddp.make_buckets(params, _BUCKET_BYTES)]
+    bucket_bytes = sorted(sum(dict(probe.named_parameters())[k].numel() * 4 for k in b) for b in buckets)
+    psi = sum(p.numel() for p in params)
+    for n in nprocs:
+        results = run_answer(_ddp_worker, n, (cls, steps, _BUCKET_BYTES), name, timeout, hang_hint=(
+            "Every rank must launch the same all-reduces in the same order: one per bucket, each once per step."))
+        for rank, r in enumerate(results):
+            events = [e for e in results.traces[rank].comm() if e.label.startswith(_ANSWER)]
+            ops = sorted({e.op for e in events} - {"all_reduce"})
+            if ops:
+                raise ExerciseError(f"{name}: rank {rank} called {', '.join(ops)}; one comm.all_reduce per bucket "
+                                    "is all DDP sends.")
+            for step, got in enumerate(r["steps"]):
+                where = f"on {n} ranks, rank {rank}, step {step}"
+                scope = f"{_ANSWER}/step{step}"
+                mine = [e for e in events if e.label == scope or e.label.startswith(scope + "/")]
+                if not mine:
+                    raise ExerciseError(f"{name} {where}: no all-reduce was traced during backward and finish(). "
+                                        "Launch comm.all_reduce(flat, async_op=True) from the hook (through "
+                                        "minitp.comm, so the bytes are recorded).")
+                if len(mine) > len(buckets):
+                    raise ExerciseError(f"{name} {where}: {len(mine)} all-reduces for {len(buckets)} buckets: one "
+                                        "per bucket, launched once its last gradient is ready, not one per "
+                                        "parameter or per hook call.")
+                _check_ddp_values(name, where, got, n, buckets)
+                if len(mine) < len(buckets):
+                    raise ExerciseError(f"{name} {where}: {len(mine)} all-reduces for {len(buckets)} buckets: a "
+                                        "bucket was never launched.")
+                early = [e for e in mine if e.start < got["last_grad_at"]]
+                if len(early) < len(buckets) - 1:
+                    late = "after backward ended" if all(e.start > got["backward_ended"] for e in mine) else \
+                        "only once every gradient was ready"
+                    raise ExerciseError(f"{name} {where}: the values are right, but the buckets were launched "
+                                        f"{late}: {len(early)} of {len(buckets)} started while backward still had "
+                                        "gradients to compute. Launch each bucket from the hook, as soon as its "
+                                        "last gradient is ready, so its message overlaps the rest of backward.")
+                if sorted(e.bytes for e in mine) != bucket_bytes:
+                    raise ExerciseError(f"{name} {where}: all-reduces of {sorted(e.bytes for e in mine)} bytes, "
+                                        f"expected one per bucket of {bucket_bytes} bytes.")
+                sent = sum(e.sent_bytes for e in mine)
+                want = cost.ddp_step_bytes(psi, n)
+                if not math.isclose(sent, want, rel_tol=1e-9):  # pragma: no cover - follows from the bytes
+                    raise ExerciseError(f"{name} {where}: sent {sent:g} bytes, expected 2(n-1)/n * Ψ * 4 = {want:g}.")
+                off = [k for k in got["library"] if not _close(got["grads"][k], got["library"][k])]
+                if off:  # pragma: no cover - minitp.ddp matches one process in its own tests
+                    raise ExerciseError(f"{name} {where}: {off[0]}.grad differs from minitp.ddp's.")
+            off = [k for k in r["params"] if not _close(r["params"][k], r["single_params"][k])]
+            if off:
+                raise ExerciseError(f"{name} on {n} ranks, rank {rank}: after {steps} SGD steps {off[0]} differs "
+                                    "from one process: are the buckets ready again for the next step (reset the "
+                                    "counts in finish())?")
+    passed(name, f"{len(buckets)} buckets, each all-reduced during backward; gradients and parameters as one "
+                 f"process and minitp.ddp on {' and '.join(map(str, nprocs))} ranks; 2(n-1)/n * Ψ * 4 bytes per step")
+
+
+__all__ = ["check_split_batch", "check_average_bucket", "check_ddp_bytes", "check_bucketed_ddp"]

@@ -11,6 +11,11 @@
 * ``check_memory_per_rank(fn)``: ``fn(num_params, world_size, zero)`` gives the bytes one rank holds
   in fp32 parameters, gradients and AdamW moments at ZeRO stage ``zero`` (0: DDP); compared with
   ``minitp.cost.memory_per_rank``.
+* ``check_fsdp_unit(cls)``: ``cls(module, group)`` is one ZeRO-3 unit that keeps only this rank's
+  slice of the module's padded flat parameters, all-gathers them to run forward, frees them after,
+  gathers them again in backward and reduce-scatters the gradient (averaged). Two units are trained
+  for two SGD steps on 4 ranks (one unit padded); checked against one process, ``minitp.fsdp``'s shards and
+  gradients, the bytes of ``minitp.cost.fsdp_step_bytes`` and the gathered bytes held at the peak.
 
 The inputs are small integers stored as floats, so sums are exact whatever the order, and a wrong
 value can be traced back to where it came from (another rank's slice, the padding, a missing /n).
@@ -24,6 +29,7 @@ import torch
 
 from minitp import cost, trace
 from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises.ch02_unit import check_fsdp_unit
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
 _SIZES = (10, 12, 7)  # 10 and 7 need padding on 4 and on 3 ranks; 12 divides both
@@ -282,4 +288,4 @@ def check_memory_per_rank(fn) -> None:
     passed(name, "DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/n, ZeRO-2 4Ψ + 12Ψ/n, ZeRO-3 16Ψ/n")
 
 
-__all__ = ["check_shard_unshard", "check_reduce_gradient", "check_memory_per_rank"]
+__all__ = ["check_shard_unshard", "check_reduce_gradient", "check_memory_per_rank", "check_fsdp_unit"]

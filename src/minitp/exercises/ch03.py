@@ -9,6 +9,10 @@
   and 4 ranks; the input's gradient compared with one process, messages with one all-reduce each way.
 * ``check_pair_bytes(fn)``: ``fn(batch, seq, dim, n, dtype_bytes)`` gives the bytes one rank sends for
   one forward and backward of the column-then-row pair; compared with ``minitp.cost``.
+* ``check_parallel_attention(fn)``: ``fn(x, wq, wk, wv, wo, n_heads, group)`` is multi-head attention
+  with its heads split over the ranks, from the full weights. Run on 2 and 4 ranks; output and every
+  gradient compared with one process and ``minitp.tp.ParallelAttention``, messages with f's and g's
+  all-reduces (``minitp.exercises.heads``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from minitp import comm, cost, trace
 from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
 TOL = 1e-5
@@ -274,3 +279,11 @@ def check_pair_bytes(fn) -> None:
         raise ExerciseError(f"{name}: for B={batch}, S={seq}, D={dim}, n={n}, {b} bytes per element you gave "
                             f"{float(got):,.0f} bytes, expected {want:,.0f}. {hint}")
     passed(name, "2 all-reduces of B*S*D*b, each 2(n-1)/n of it per rank")
+
+
+# -- exercise 4: attention split by heads ----------------------------------------------------------
+def check_parallel_attention(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
+    """``fn(x, wq, wk, wv, wo, n_heads, group)``: multi-head attention, heads split over the ranks."""
+    name = "attention split by heads"
+    detail = check_heads(fn, name, [(4, 4)], nprocs, with_kv=False)
+    passed(name, detail)

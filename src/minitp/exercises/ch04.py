@@ -9,6 +9,10 @@
   one process, messages with one all-reduce each way.
 * ``check_swiglu_bytes_per_rank(fn)``: ``fn(dim, hidden, tp, dtype_bytes)`` gives the bytes of MLP
   weights (w1, w3 and w2) one rank holds; compared with ``minitp.cost``.
+* ``check_gqa_attention(fn)``: ``fn(x, wq, wk, wv, wo, n_heads, n_kv_heads, group)`` is grouped-query
+  attention (each key/value head shared by H/Hkv query heads) with both kinds of heads split over the
+  ranks. Run on 2 ranks with (H, Hkv) = (4, 2) and (8, 4); compared with one process and
+  ``minitp.tp.ParallelAttention`` (``minitp.exercises.heads``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from minitp import comm, cost, trace
 from minitp.exercises import ExerciseError, passed, run_answer
 from minitp.exercises.ch03 import ANSWER, TOL, answer_messages, max_diff, phase
+from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 
 D, HIDDEN = 8, 16  # the MLP the checkers use: small enough to read, divisible by 2 and 4
 
@@ -237,3 +242,11 @@ def check_swiglu_bytes_per_rank(fn) -> None:
         raise ExerciseError(f"{name}: for D={dim}, F={hidden}, tp={tp}, {b} bytes per element you gave "
                             f"{float(got):,.0f} bytes, expected {want:,.0f}. {hint}")
     passed(name, "3·D·F·b / tp bytes per rank")
+
+
+# -- exercise 4: grouped-query attention split by heads --------------------------------------------
+def check_gqa_attention(fn, nprocs: tuple[int, ...] = (2,)) -> None:
+    """``fn(x, wq, wk, wv, wo, n_heads, n_kv_heads, group)``: GQA with query and key/value heads split."""
+    name = "grouped-query attention split by heads"
+    detail = check_heads(fn, name, [(4, 2), (8, 4)], nprocs, with_kv=True)
+    passed(name, detail)

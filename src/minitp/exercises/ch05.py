@@ -10,6 +10,7 @@
   process, each rank's messages with who it should talk to.
 * ``check_bubble(fn)``: ``fn(p, m)`` is the idle share of a step with equal stages; compared with
   ``minitp.cost.pp_bubble_fraction``.
+* ``check_zero_bubble(fn)`` and ``check_pipeline_runtime(fn)``: see ``minitp.exercises.ch05_runtime``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _as_actions(got, name: str) -> list[pp.Action]:
     out = []
     for item in got:
         try:
-            kind, mb = item
+            kind, mb = item[:2] if isinstance(item, pp.Action) else item
         except (TypeError, ValueError):
             raise ExerciseError(f"{name}: each entry must be a pair (kind, microbatch) like ('F', 3); "
                                 f"got {item!r}.") from None
@@ -230,3 +231,7 @@ def check_bubble(fn) -> None:
                     "Each stage computes in m of the step's m + p - 1 slots.")
         raise ExerciseError(f"{name}: for p={p}, m={m} you gave {float(got):.4f}, expected {want:.4f}. {hint}")
     passed(name, "(p-1)/(m+p-1): 0.273 at p=4, m=8; 0.179 at p=8, m=32")
+
+
+# -- exercises 4 and 5: the zero-bubble table, a 1F1B runtime (their own file) ------------------------
+from minitp.exercises.ch05_runtime import check_pipeline_runtime, check_zero_bubble  # noqa: E402,F401

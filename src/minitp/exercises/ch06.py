@@ -10,6 +10,10 @@
 * ``check_choose_layout(fn)``: ``fn(cfg, gpus, gpu_memory_bytes, gpus_per_node)`` picks the layout
   whose parameters, gradients and AdamW state (bf16 mixed precision, DDP) fit each GPU, with the most
   data parallel, then the largest tp; or None when nothing fits.
+* ``check_make_groups(fn)``: ``fn(dp, pp, tp)``, called on every rank, creates the mesh's process groups
+  with ``torch.distributed.new_group`` and returns this rank's three, ``{dim: (ranks, group)}``. Run on 8
+  processes for three layouts; members compared with ``minitp.layout.group_lists`` and
+  ``minitp.mesh.Mesh``, and each group used: an all-reduce over it must add exactly its members.
 """
 
 from __future__ import annotations
@@ -276,3 +280,73 @@ def check_choose_layout(fn) -> None:
         raise ExerciseError(f"{name}: for {where} you chose {got}, expected {want}: with the same dp, prefer the "
                             "larger tp (it stays inside a machine and leaves no pipeline bubble).")
     passed(name, "6 cases, LLaMA-3-8B and 70B included")
+
+
+# -- exercise 4: the mesh's process groups, created for real -----------------------------------------------
+_GROUP_LAYOUTS = ((2, 2, 2), (2, 1, 4), (1, 4, 2))
+
+
+def _groups_worker(fn, layouts):
+    import torch.distributed as dist
+
+    from minitp import comm
+
+    rank, out = dist.get_rank(), []
+    for dp, pp, tp in layouts:
+        answer = fn(dp, pp, tp)
+        got, summed = {}, {}
+        for dim in ("tp", "pp", "dp"):
+            try:
+                ranks, group = answer[dim]
+                ranks = [int(r) for r in ranks]
+            except (TypeError, KeyError, ValueError):
+                got = None
+                break
+            got[dim] = ranks
+            if rank in ranks:  # who really is in it: every member adds its rank
+                total = torch.tensor([rank])
+                comm.all_reduce(total, group=group, label=f"check/{dim}")
+                summed[dim] = int(total)
+        m = mesh.Mesh(dp, pp, tp)
+        out.append({"answer": got, "raw": repr(answer)[:200], "summed": summed, "mesh": m.group_ranks})
+    return out
+
+
+def check_make_groups(fn, layouts=_GROUP_LAYOUTS, timeout: float = 60.0) -> None:
+    """``fn(dp, pp, tp)`` -> {"tp": (ranks, group), "pp": ..., "dp": ...}: this rank's three groups, after
+    every rank created every group in the same order."""
+    name = "the mesh's process groups"
+    results = run_answer(_groups_worker, 8, (fn, layouts), name, timeout, hang_hint=(
+        "torch.distributed.new_group must be called by EVERY rank for EVERY group (even the groups it is not "
+        "in), in the same order on all ranks: loop over all groups of all three dimensions on every rank."))
+    for li, (dp, pp, tp) in enumerate(layouts):
+        lists = group_lists(dp, pp, tp)
+        for rank, r in enumerate(results):
+            r = r[li]
+            where = f"rank {rank} of dp={dp}, pp={pp}, tp={tp}"
+            if r["answer"] is None:
+                raise ExerciseError(f"{name}: for {where} the function returned {r['raw']}; return "
+                                    "{'tp': (ranks, group), 'pp': (ranks, group), 'dp': (ranks, group)}.")
+            want = {dim: next(g for g in lists[dim] if rank in g) for dim in lists}
+            if want != {d: list(want_ranks) for d, want_ranks in r["mesh"].items()}:  # pragma: no cover
+                raise ExerciseError(f"{name}: minitp.mesh and minitp.layout disagree for {where}.")
+            got = r["answer"]
+            coords = coordinates(rank, dp, pp, tp)
+            if got != want:
+                wrong = _dp_fastest(rank, dp, pp, tp)[1]
+                if all(sorted(got[d]) == sorted(wrong[d]) for d in want) and wrong != want:
+                    raise ExerciseError(f"{name}: for {where} you gave {got}, expected {want}: you let dp vary "
+                                        "fastest. minitp places tp fastest, rank = (dp_rank·pp + pp_rank)·tp + "
+                                        "tp_rank, so each tensor-parallel group is made of neighbouring ranks.")
+                dim = next(d for d in ("tp", "pp", "dp") if sorted(got[d]) != sorted(want[d]))
+                raise ExerciseError(f"{name}: for {where} (coordinates {(coords.dp, coords.pp, coords.tp)}) the {dim} "
+                                    f"group is {got[dim]}, expected {want[dim]}: its members share this rank's "
+                                    f"other two coordinates and run through every {dim}_rank.")
+            for dim in ("tp", "pp", "dp"):
+                if r["summed"].get(dim) != sum(want[dim]):
+                    raise ExerciseError(f"{name}: for {where} the {dim} group lists the right ranks, but an "
+                                        f"all-reduce over the group you returned added {r['summed'].get(dim)}, "
+                                        f"not {sum(want[dim])} (the sum of {want[dim]}): return the group "
+                                        "new_group made for those ranks.")
+    passed(name, f"8 processes, {len(layouts)} layouts: members as minitp.layout.group_lists and minitp.mesh.Mesh, "
+                 "each group adds exactly its members")

@@ -1,24 +1,44 @@
-"""Learner copies of the chapters: the solved notebooks with every answer taken out.
+"""Learner copies of the chapters, and the website's form of them: answers out, or folded.
 
-In ``notebooks/`` an answer sits between a line ``### BEGIN SOLUTION`` and a line ``### END SOLUTION``
-(indented like the code around it, usually inside a function body). The learner's copy keeps every
-cell but replaces each such region, markers included, by one line at the same indentation::
+The rule every chapter follows (00-08 and any later one; no chapter is special, no cell needs a tag):
 
-    raise NotImplementedError("Exercise: write this part, then run the checker below")
+1. **Answers** sit in code cells between a line ``### BEGIN SOLUTION`` and a line ``### END SOLUTION``
+   (indented like the code around them, usually inside a function body).
+2. **Checkers** are called as a function whose name starts with ``check_`` (``ch03.check_f_operator(f)``),
+   in the answer's own cell or in a cell after it.
+3. **Answer-derived cells**: a code cell that calls a checker, or reads a name an answer defines (the
+   function or class whose body holds the answer), or reads a name such a cell set
+   (``x = bubble(2, 8)`` then ``print(x)``), shows the answer at work. A cell that binds a name again
+   without reading the answer's clears it. Keep a cell out of this set (it stays visible everywhere)
+   by calling minitp's own function there instead of the learner's.
 
-so the function still parses, and calling it says plainly that the part is missing. The outputs of a
-cell that lost an answer are cleared (they showed the answer at work). Markdown cells are left alone:
-worked answers there sit inside ``<details>``, hidden until the learner clicks.
+What the two forms do with them:
 
-Only the standard library is used (the notebook is JSON), so this runs wherever minitp is installed::
+* **Learner copy** (``make student``; ``python -m minitp.exercises.student notebooks student``): each
+  answer region, markers included, becomes one line at the same indentation::
 
-    python -m minitp.exercises.student notebooks student
+      raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+  The answer cells and every answer-derived cell lose their outputs (no verdict, no "[ok]", no number
+  computed from an answer survives) and get the cell tag ``raises-exception``: JupyterLab's Run All
+  (and nbclient) then goes on past them, so an unfinished exercise shows "not done yet" and the rest
+  of the chapter still runs. Markdown cells are left alone: worked explanations there sit inside
+  ``<details>``. A copy that already exists and differs from a fresh one (the learner's work) is kept
+  unless ``--force``.
+* **Website form** (``website_notebook``, used by ``tools/mkdocs_hooks.py``): before each answer cell
+  a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived cells
+  right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs included,
+  behind ``<details>`` "Show a worked answer".
+
+Only the standard library is used (the notebook is JSON), so this runs wherever minitp is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +47,10 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 STUB = 'raise NotImplementedError("Exercise: write this part, then run the checker below")'
 CHAPTER_GLOB = "[0-9][0-9]_*.ipynb"
+CHECKER_PREFIX = "check_"
+CONTINUE_TAG = "raises-exception"  # JupyterLab and nbclient keep running the cells after an error here
+STUB_TAG = "minitp-stub"  # website form: the learner's stub of an answer cell
+ANSWER_TAG = "minitp-answer"  # website form: folded behind "Show a worked answer"
 
 
 class SolutionMarkerError(ValueError):
@@ -41,6 +65,8 @@ class StudentCopy:
     target: Path
     regions: int
     cells: int
+    cleared: int = 0  # answer-derived cells whose outputs were cleared (answer cells not counted)
+    kept: bool = False  # an existing copy differed from a fresh one and was left as it was
 
 
 def _marker(line: str) -> str | None:
@@ -52,16 +78,11 @@ def _marker(line: str) -> str | None:
     return None
 
 
-def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
-    """Replace each solution region of ``source`` by the stub; return the new source and the count.
-
-    ``where`` names the cell in error messages (``"00_collectives.ipynb, cell 12"``).
-    """
-    lines = source.splitlines(keepends=True)
-    out: list[str] = []
-    regions = 0
-    open_at: int | None = None  # line number (1-based) of the BEGIN that is still open
-    for number, line in enumerate(lines, start=1):
+def solution_regions(source: str, where: str = "cell") -> list[tuple[int, int]]:
+    """The (BEGIN line, END line) pairs of ``source``, 1-based; bad pairing raises ``SolutionMarkerError``."""
+    regions: list[tuple[int, int]] = []
+    open_at: int | None = None  # line number of the BEGIN that is still open
+    for number, line in enumerate(source.splitlines(), start=1):
         marker = _marker(line)
         if marker == BEGIN:
             if open_at is not None:
@@ -70,22 +91,39 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
                     f"of the region opened on line {open_at}"
                 )
             open_at = number
-            indent = line[: len(line) - len(line.lstrip())]
-            newline = "\n" if line.endswith("\n") else ""
-            out.append(f"{indent}{STUB}{newline}")
         elif marker == END:
             if open_at is None:
                 raise SolutionMarkerError(f"{where}, line {number}: '{END}' without a '{BEGIN}' before it")
+            regions.append((open_at, number))
             open_at = None
-            regions += 1
-            if not line.endswith("\n") and out and out[-1].endswith("\n"):
-                # the region closed the cell: do not leave a trailing newline the original did not have
-                out[-1] = out[-1][:-1]
-        elif open_at is None:
-            out.append(line)
     if open_at is not None:
         raise SolutionMarkerError(f"{where}, line {open_at}: '{BEGIN}' is never closed by '{END}'")
-    return "".join(out), regions
+    return regions
+
+
+def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
+    """Replace each solution region of ``source`` by the stub; return the new source and the count.
+
+    ``where`` names the cell in error messages (``"00_collectives.ipynb, cell 12"``).
+    """
+    regions = solution_regions(source, where)
+    starts = {begin: end for begin, end in regions}
+    lines = source.splitlines(keepends=True)
+    out: list[str] = []
+    skip_to = 0
+    for number, line in enumerate(lines, start=1):
+        if number <= skip_to:
+            continue
+        if number in starts:
+            indent = line[: len(line) - len(line.lstrip())]
+            end_line = lines[starts[number] - 1]
+            # the region closed the cell: do not add a trailing newline the original did not have
+            newline = "\n" if end_line.endswith("\n") else ""
+            out.append(f"{indent}{STUB}{newline}")
+            skip_to = starts[number]
+        else:
+            out.append(line)
+    return "".join(out), len(regions)
 
 
 def _source_text(cell: dict) -> str:
@@ -93,39 +131,152 @@ def _source_text(cell: dict) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def student_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int, int]:
-    """The learner's copy of a notebook (as loaded JSON): ``(copy, regions removed, cells changed)``."""
-    copy = json.loads(json.dumps(notebook))
-    regions = cells = 0
-    for index, cell in enumerate(copy.get("cells", [])):
+# -- which cells show an answer at work --------------------------------------------------------------
+def _parse(source: str) -> ast.Module | None:
+    """The cell's code as Python; IPython's ``%magic`` and ``!shell`` lines become blank lines."""
+    python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    try:
+        return ast.parse(python)
+    except SyntaxError:
+        return None
+
+
+def _scoped_names(statement: ast.AST) -> set[str]:
+    """Names a statement binds for its own use before reading them: loop and comprehension variables,
+    function and lambda arguments, ``with ... as`` and ``except ... as`` names."""
+    names: set[str] = set()
+    for node in ast.walk(statement):
+        targets: list[ast.AST] = []
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            targets = [node.target]
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            targets = [node.optional_vars]
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        for target in targets:
+            names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def _bound_names(statement: ast.stmt) -> set[str]:
+    """Names a top-level statement binds in the notebook's namespace (not imports: a module is never an
+    answer; not comprehension variables or arguments, which stay inside)."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {statement.name}
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return set()
+    inner = {n.id for node in ast.walk(statement) if isinstance(node, ast.comprehension)
+             for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+    inner |= {node.arg for node in ast.walk(statement) if isinstance(node, ast.arg)}
+    stored = {node.id for node in ast.walk(statement)
+              if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del))}
+    return stored - inner
+
+
+def _reads(statement: ast.AST) -> set[str]:
+    """Names a statement reads from the notebook's namespace (its own loop variables and arguments aside)."""
+    loads = {node.id for node in ast.walk(statement) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return loads - _scoped_names(statement)
+
+
+def _calls_checker(statement: ast.AST) -> bool:
+    for node in ast.walk(statement):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name.startswith(CHECKER_PREFIX):
+                return True
+    return False
+
+
+def answer_cells(notebook: dict, name: str = "notebook") -> dict[int, str]:
+    """Index -> why, for every code cell that holds an answer or shows one at work (see the module doc).
+
+    Reasons: ``"answer"``, ``"checker"`` (calls a ``check_*`` function), ``"uses NAME"``.
+    """
+    tainted: set[str] = set()  # names whose value comes from an answer
+    found: dict[int, str] = {}
+    for index, cell in enumerate(notebook.get("cells", [])):
         if cell.get("cell_type") != "code":
             continue
         text = _source_text(cell)
-        if BEGIN not in text and END not in text:
+        regions = solution_regions(text, where=f"{name}, cell {index}") if BEGIN in text or END in text else []
+        tree = _parse(text)
+        if tree is None:  # not Python we can read: judge by the words in it
+            words = set(re.findall(r"[A-Za-z_]\w*", text))
+            if regions:
+                found[index] = "answer"
+            elif words & tainted or re.search(rf"\b{CHECKER_PREFIX}\w*\(", text):
+                found[index] = "uses " + ", ".join(sorted(words & tainted)) if words & tainted else "checker"
             continue
-        new_text, found = strip_solutions(text, where=f"{name}, cell {index}")
-        if found == 0:
-            continue
-        cell["source"] = new_text.splitlines(keepends=True)
-        cell["outputs"] = []
-        cell["execution_count"] = None
-        regions += found
-        cells += 1
+        if regions:
+            found[index] = "answer"
+        for statement in tree.body:
+            start, end = statement.lineno, statement.end_lineno or statement.lineno
+            holds_answer = any(begin <= end and start <= stop for begin, stop in regions)
+            read = _reads(statement) & tainted
+            checker = _calls_checker(statement)
+            if holds_answer or read or checker:
+                if index not in found:
+                    found[index] = "checker" if checker else "uses " + ", ".join(sorted(read))
+                tainted |= _bound_names(statement)
+            else:
+                tainted -= _bound_names(statement)  # bound again without the answer: no longer derived
+    return found
+
+
+# -- the learner's copy ---------------------------------------------------------------------------------
+def _clear(cell: dict) -> None:
+    cell["outputs"] = []
+    cell["execution_count"] = None
+    tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+    if CONTINUE_TAG not in tags:
+        tags.append(CONTINUE_TAG)
+
+
+def student_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int, int]:
+    """The learner's copy of a notebook (as loaded JSON): ``(copy, regions removed, cells changed)``.
+
+    "Cells changed" counts the cells that lost an answer; answer-derived cells are cleared too.
+    """
+    copy = json.loads(json.dumps(notebook))
+    regions = cells = 0
+    for index, why in answer_cells(copy, name).items():
+        cell = copy["cells"][index]
+        if why == "answer":
+            new_text, found = strip_solutions(_source_text(cell), where=f"{name}, cell {index}")
+            cell["source"] = new_text.splitlines(keepends=True)
+            regions += found
+            cells += 1
+        _clear(cell)
     return copy, regions, cells
 
 
-def write_student_copy(source: Path, target: Path) -> StudentCopy:
-    """Write the learner's copy of the notebook ``source`` to ``target``."""
+def _notebook_text(notebook: dict) -> str:
+    return json.dumps(notebook, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def write_student_copy(source: Path, target: Path, force: bool = True) -> StudentCopy:
+    """Write the learner's copy of the notebook ``source`` to ``target``.
+
+    With ``force=False`` an existing ``target`` that differs from a fresh copy (the learner's work, or
+    a copy of an older chapter) is left as it is; the result says so (``kept``).
+    """
     notebook = json.loads(Path(source).read_text(encoding="utf-8"))
     copy, regions, cells = student_notebook(notebook, name=Path(source).name)
+    cleared = sum(why != "answer" for why in answer_cells(notebook, Path(source).name).values())
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(copy, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
-    target.write_text(text, encoding="utf-8")
-    return StudentCopy(Path(source), target, regions, cells)
+    text = _notebook_text(copy)
+    kept = not force and target.is_file() and target.read_text(encoding="utf-8") != text
+    if not kept:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+    return StudentCopy(Path(source), target, regions, cells, cleared, kept)
 
 
-def write_student_copies(notebook_dir: Path, student_dir: Path) -> list[StudentCopy]:
+def write_student_copies(notebook_dir: Path, student_dir: Path, force: bool = True) -> list[StudentCopy]:
     """A learner's copy of every chapter ``NN_*.ipynb`` of ``notebook_dir``, written into ``student_dir``.
 
     Every notebook is checked before any is written, so bad markers leave ``student_dir`` untouched.
@@ -136,7 +287,42 @@ def write_student_copies(notebook_dir: Path, student_dir: Path) -> list[StudentC
     sources = sorted(notebook_dir.glob(CHAPTER_GLOB))
     for source in sources:  # fail early, before writing anything
         student_notebook(json.loads(source.read_text(encoding="utf-8")), name=source.name)
-    return [write_student_copy(source, student_dir / source.name) for source in sources]
+    return [write_student_copy(source, student_dir / source.name, force) for source in sources]
+
+
+# -- the website's form ---------------------------------------------------------------------------------
+def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]:
+    """The notebook as the website shows it: ``(copy, number of folds)``.
+
+    Before each answer cell, its stub (tag ``minitp-stub``, no output); the answer cell and the
+    answer-derived cells that follow it without a Markdown cell between are tagged ``minitp-answer``.
+    An answer-derived cell further on is tagged too and becomes a fold of its own.
+    """
+    original = json.loads(json.dumps(notebook))
+    derived = answer_cells(original, name)
+    cells: list[dict] = []
+    folds = 0
+    previous_folded = False
+    for index, cell in enumerate(original.get("cells", [])):
+        why = derived.get(index)
+        if why == "answer":
+            stub = json.loads(json.dumps(cell))
+            stub["source"] = strip_solutions(_source_text(cell), where=f"{name}, cell {index}")[0] \
+                .splitlines(keepends=True)
+            stub["outputs"], stub["execution_count"] = [], None
+            stub.setdefault("metadata", {})["tags"] = [STUB_TAG]
+            if "id" in stub:
+                stub["id"] = f"{stub['id']}-stub"[:64]
+            cells.append(stub)
+            previous_folded = False
+        if why is not None:
+            tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+            tags.append(ANSWER_TAG)
+            folds += not previous_folded
+        previous_folded = why is not None
+        cells.append(cell)
+    original["cells"] = cells
+    return original, folds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,14 +332,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("notebooks", type=Path, help="folder of solved chapters (NN_*.ipynb)")
     parser.add_argument("student", type=Path, help="folder to write the learner's copies into")
+    parser.add_argument("--keep-changed", action="store_true",
+                        help="leave a copy that differs from a fresh one (your work) as it is")
     args = parser.parse_args(argv)
     try:
-        copies = write_student_copies(args.notebooks, args.student)
+        copies = write_student_copies(args.notebooks, args.student, force=not args.keep_changed)
     except (SolutionMarkerError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     for copy in copies:
-        print(f"{copy.target}: {copy.regions} solution region(s) in {copy.cells} cell(s) replaced by stubs")
+        if copy.kept:
+            print(f"{copy.target}: kept as it is (it differs from a fresh copy: your work?); "
+                  "delete it, or run `make student`, for a fresh one")
+        else:
+            print(f"{copy.target}: {copy.regions} solution region(s) in {copy.cells} cell(s) replaced by stubs, "
+                  f"outputs of {copy.cleared} answer-derived cell(s) cleared")
     if not copies:
         print(f"no chapters ({CHAPTER_GLOB}) in {args.notebooks}")
     return 0

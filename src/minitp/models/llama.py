@@ -66,7 +66,10 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_
                         ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0)
 LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                          ffn_hidden=28672, max_seq_len=8192, rope_theta=500000.0)
-PRESETS = {"tiny": TINY, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+# "small": big enough that a pipeline stage's compute dwarfs the hand-over of a message (a block's
+# forward on a (1, 64) micro-batch is a few ms on one core), still seconds per step on a laptop CPU
+SMALL = ModelConfig(vocab_size=512, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704, max_seq_len=256)
+PRESETS = {"tiny": TINY, "small": SMALL, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 
 
 def get_config(name: str) -> ModelConfig:
@@ -126,17 +129,24 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generation: append this step's keys and values to the cache
             k, v = cache.update(k, v)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, Dh); k, v: (B, Hkv, Sk, Dh)
+        out = self.attend(q, k, v)  # (B, H, S, Dh)
+        return self.wo(out.transpose(1, 2).reshape(B, S, n_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(Dh)) v under the causal mask: the one step of the layer that mixes
+        positions. Context parallel puts its ring in place of it, per layer (``minitp.cp``).
+        q: (B, H, S, Dh); k, v: (B, Hkv, Sk, Dh), the last S of the Sk keys at q's positions."""
+        n_heads, n_kv = q.shape[1], k.shape[1]
         if n_kv != n_heads:  # grouped-query attention: each key/value head serves H/Hkv query heads
-            k = k.repeat_interleave(n_heads // n_kv, dim=2)
-            v = v.repeat_interleave(n_heads // n_kv, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, Dh)
-        Sk = k.shape[2]
+            k = k.repeat_interleave(n_heads // n_kv, dim=1)
+            v = v.repeat_interleave(n_heads // n_kv, dim=1)
+        S, Sk = q.shape[2], k.shape[2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, S, Sk)
         # causal mask: query i (at absolute position Sk-S+i) sees keys 0..Sk-S+i
-        mask = torch.ones(S, Sk, dtype=torch.bool, device=x.device).tril(diagonal=Sk - S)
+        mask = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - S)
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = scores.softmax(dim=-1) @ v  # (B, H, S, Dh)
-        return self.wo(out.transpose(1, 2).reshape(B, S, n_heads * self.head_dim))
+        return scores.softmax(dim=-1) @ v  # (B, H, S, Dh)
 
 
 class FeedForward(nn.Module):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from minitp import cost
+from minitp import cost, progress
 from minitp import trace as _trace
 from minitp.launch import RANK_MEMORY_BYTES, check_launch
 from minitp.launch_guard import available_memory
@@ -16,7 +16,6 @@ from minitp.models import TrainConfig, get_config, loss_fn
 from minitp.references import full_batch, max_abs_diff
 from minitp.registry import OptionError, check_options
 from minitp.report import Report
-
 
 
 def check_run(strategy: str, values: dict, data_parallel: int, tensor_parallel: int = 1) -> TrainConfig:
@@ -72,6 +71,7 @@ def train_steps(model, step_model, batches, shard, optimizer, loss=loss_fn) -> t
             optimizer.step()
         times.append(time.perf_counter() - t0)
         losses.append(value.item())
+        progress.step(len(times) - 1, len(batches) if hasattr(batches, "__len__") else None)
     return losses, times
 
 
@@ -93,6 +93,11 @@ def build_report(strategy: str, layout: dict, per_rank: list[dict], results, mod
     ref_losses, ref_state = full_batch(cfg, train) if reference is None else reference
     losses = [statistics.fmean(r["losses"][s] for r in per_rank if r["losses"]) for s in range(train.steps)]
     own = {k: fields.pop(k) for k in list(fields) if k in Report.__dataclass_fields__}
+    predicted, note = predicted_step_s(strategy, layout, cfg, train, fields)
+    if note:
+        fields["predicted_step_note"] = note
+    if hasattr(os, "getloadavg"):  # what else ran: the prediction assumes a quiet machine
+        fields["load_average"] = os.getloadavg()[0]
     return Report(
         strategy=strategy, world_size=len(per_rank), layout=layout, model=model_name,
         num_params=own.pop("num_params", cfg.num_params()), steps=train.steps, batch_size=train.batch_size,
@@ -100,7 +105,29 @@ def build_report(strategy: str, layout: dict, per_rank: list[dict], results, mod
         max_abs_param_diff=max(max_abs_diff(r["state"], ref_state) for r in per_rank if r["state"]),
         comm_bytes_traced=_trace.sent_bytes_per_rank(results.traces), comm_bytes_expected=expected_bytes,
         memory=[r["memory"] for r in per_rank], memory_expected=expected_memory, wall_s=results.wall_s,
-        step_s=[r["step_s"] for r in per_rank], details=fields, results=results, **own)
+        step_s=[r["step_s"] for r in per_rank], predicted_step_s=predicted, details=fields, results=results, **own)
+
+
+def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, details: dict,
+                     device: cost.Device | None = None) -> tuple[float | None, str | None]:
+    """The time model's step for this run (``cost.step_time`` in fp32 on this machine's stored
+    calibration, or ``device``), and why there is none when there is none. No calibration is made
+    here: it takes seconds and would disturb the run it predicts; ``minitp calibrate`` stores one."""
+    device = device or cost.this_machine()
+    if device is None:
+        return None, f"this machine is not calibrated (minitp calibrate; it reads {cost.calibration_path()})"
+    if strategy == "swiglu":
+        return None, "the MLP alone is not a whole model; the time model predicts whole models"
+    if strategy == "ep":
+        return None, "the time model predicts dense models; a MoE's all-to-alls are not in it yet"
+    if strategy not in ("ddp", "fsdp", "tp", "pp", "3d"):
+        return None, f"the time model (minitp.cost.step_time) does not cover {strategy} yet"
+    zero = details.get("zero") or 3
+    data_parallel = details.get("data_parallel") or ("fsdp" if strategy == "fsdp" else "ddp")
+    time = cost.step_time(cfg, train.batch_size, train.seq_len, layout["dp"], layout["tp"], layout["pp"], device,
+                          details.get("microbatches") or 1, data_parallel, zero, "fp32",
+                          bool(details.get("sequence_parallel")), buckets=details.get("num_buckets"))
+    return time.step_s, None
 
 
 def worker_summary(losses: list[float], times: list[float], memory: dict, **more) -> dict:

@@ -1,4 +1,5 @@
-"""Checked runs of pipeline parallelism: one stage per rank, a schedule of micro-batches."""
+"""Checked runs of pipeline parallelism: one stage (or v interleaved chunks) per rank, a schedule of
+micro-batches: GPipe, 1F1B, interleaved 1F1B or zero-bubble (ZB-H1)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from minitp.report import Report
 from minitp.runs.common import build_report, check_run, worker_summary
 
 
-def _pp_worker(model_name: str, train: TrainConfig, schedule: str, microbatches: int) -> dict:
+def _pp_worker(model_name: str, train: TrainConfig, schedule: str, microbatches: int, virtual_stages: int) -> dict:
     cfg = get_config(model_name)
-    pipe = pp.Pipeline(build_model(cfg, seed=train.seed), None, schedule, microbatches)  # the world is the pipeline
+    pipe = pp.Pipeline(build_model(cfg, seed=train.seed), None, schedule, microbatches,  # the world is the pipeline
+                       virtual_stages=virtual_stages)
     optimizer = make_optimizer(pipe.parameters(), train.lr)
     losses, times, timelines, peaks = [], [], [], []
     for tokens, targets in synthetic_batches(cfg, train):
@@ -34,47 +36,61 @@ def _pp_worker(model_name: str, train: TrainConfig, schedule: str, microbatches:
         timelines.append(record.timeline)
         peaks.append(record.peak_in_flight)
     return worker_summary(losses, times, held_bytes(pipe.parameters(), optimizer), stage_state=pipe.state_dict(),
-                          timelines=timelines, peak_in_flight=max(peaks))
+                          timelines=timelines, peak_in_flight=max(peaks),
+                          num_tensors=len(list(pipe.parameters())))
 
 
-def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str = "1f1b", model: str = "tiny",
-           batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
+def rank_blocks(n_layers: int, pp_size: int, virtual_stages: int = 1) -> list[list[range]]:
+    """Per rank, the block ranges of its chunks: piece c·p + r of the p·v pieces for chunk c."""
+    pieces = layout.stage_blocks(n_layers, pp_size * virtual_stages)  # refuses too many pieces
+    return [[pieces[c * pp_size + r] for c in range(virtual_stages)] for r in range(pp_size)]
+
+
+def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str = "1f1b", virtual_stages: int = 1,
+           model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
            backend: str = "gloo", timeout: float = 300.0) -> Report:
-    """Train with ``minitp.pp`` (``nproc`` stages, ``microbatches`` per step, GPipe or 1F1B) and report
-    it against the three oracles, plus the bubble: measured (``minitp.pp.bubble_fraction``, the mean
-    over ranks, the median over the steps after the first) and expected ((p-1)/(m+p-1))."""
+    """Train with ``minitp.pp`` (``nproc`` stages, ``microbatches`` per step, GPipe, 1F1B, interleaved
+    1F1B over ``virtual_stages`` chunks per rank, or zero-bubble ZB-H1) and report it against the
+    three oracles, plus the bubble: measured (``minitp.pp.bubble_fraction``, the mean over ranks, the
+    median over the steps after the first) and expected (``cost.pp_bubble_fraction``)."""
+    if schedule == "interleaved" and virtual_stages == 1:
+        virtual_stages = 2  # interleaving means at least two chunks per rank
     train = check_run("pp", locals(), data_parallel=1)
     cfg = get_config(model)
-    blocks = layout.stage_blocks(cfg.n_layers, nproc)  # refuse a bad split here, in the parent
-    pp.make_schedule(schedule, nproc, microbatches)
+    blocks = rank_blocks(cfg.n_layers, nproc, virtual_stages)  # refuse a bad split here, in the parent
+    pp.make_schedule(schedule, nproc, microbatches, virtual_stages)
+    if virtual_stages > 1 and nproc == 1:
+        raise ValueError("interleaving needs at least 2 ranks in the pipeline, got nproc=1")
     pp.split_microbatches(torch.empty(batch_size), microbatches)
-    results = launch(_pp_worker, nproc, model, train, schedule, microbatches, backend=backend, timeout=timeout,
-                     echo=False)
+    results = launch(_pp_worker, nproc, model, train, schedule, microbatches, virtual_stages, backend=backend,
+                     timeout=timeout, echo=False)
     full = {k: v for r in results for k, v in r["stage_state"].items()}  # the stages put together
     per_rank = [{**{k: v for k, v in r.items() if k != "stage_state"}, "state": full} for r in results]
-    first_last = [(s == 0, s == nproc - 1) for s in range(nproc)]
-    expected_bytes = [cost.pp_run_bytes(batch_size, seq_len, cfg.dim, nproc, s, steps) for s in range(nproc)]
-    n_tensors = [len(list(pp.PipelineStage(build_model(cfg), s, nproc).parameters())) for s in range(nproc)]
-    expected_memory = [cost.pp_memory_per_rank(cfg, len(blocks[s]), *first_last[s], num_tensors=n_tensors[s])
-                       for s in range(nproc)]
+    v = virtual_stages
+    expected_bytes = [cost.pp_run_bytes(batch_size, seq_len, cfg.dim, nproc, s, steps, virtual_stages=v)
+                      for s in range(nproc)]
+    expected_memory = [cost.pp_memory_per_rank(cfg, sum(len(b) for b in blocks[s]), s == 0, s == nproc - 1,
+                                               num_tensors=results[s]["num_tensors"]) for s in range(nproc)]
     per_step = [pp.bubble_fraction([r["timelines"][k] for r in results]) for k in range(steps)]
     timed = per_step[1:] or per_step  # the first step also warms up (allocations, first messages)
     last = [r["timelines"][-1] for r in results]
     t0 = min(t[0][1] for t in last)
     return build_report(
         "pp", {"dp": 1, "tp": 1, "pp": nproc}, per_rank, results, model, train, expected_bytes,
-        expected_memory, schedule=schedule, microbatches=microbatches,
-        stage_blocks=[[b.start, b.stop] for b in blocks],
+        expected_memory, schedule=schedule, microbatches=microbatches, virtual_stages=v,
+        stage_blocks=[[c[0].start, c[0].stop] for c in blocks] if v == 1 else None,
+        rank_blocks=[[[b.start, b.stop] for b in chunks] for chunks in blocks],
         bubble_fraction_measured=statistics.median(statistics.fmean(b) for b in timed),
         bubble_fraction_measured_per_rank=[statistics.median(b[s] for b in timed) for s in range(nproc)],
-        bubble_fraction_expected=cost.pp_bubble_fraction(nproc, microbatches),
+        bubble_fraction_expected=cost.pp_bubble_fraction(nproc, microbatches, schedule, v),
         peak_microbatches_in_flight=[r["peak_in_flight"] for r in results],
-        peak_microbatches_in_flight_expected=[cost.pp_peak_microbatches_in_flight(nproc, microbatches, s, schedule)
+        peak_microbatches_in_flight_expected=[cost.pp_peak_microbatches_in_flight(nproc, microbatches, s, schedule, v)
                                               for s in range(nproc)],
-        last_step_timeline=[[[a.kind, a.microbatch, s - t0, e - t0] for a, s, e in t] for t in last])
+        last_step_timeline=[[[a.kind, a.microbatch, s - t0, e - t0, a.chunk] for a, s, e in t] for t in last])
 
 
 register(Strategy("pp", run_pp, "pipeline parallel: one stage of blocks per rank, micro-batches on a schedule", (
     Option("microbatches", int, 8, "micro-batches per step", low=1),
-    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb")),
+    Option("virtual_stages", int, 1, "chunks per rank (interleaved only; 1 means 2 there)", low=1),
 )))

@@ -45,7 +45,7 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
 def _bytes_by_dim(events) -> dict[str, float]:
     """Bytes sent over each mesh dimension (the dimension each event's process group was named)."""
     sent = {dim: row["sent_bytes"] for (dim,), row in _trace.totals(events, by=("dim",)).items()}
-    return {dim: sent.get(dim, 0.0) for dim in layout.DIMS}
+    return {dim: sent.get(dim, 0.0) for dim in layout.DIMS + (("cp",) if "cp" in sent else ())}
 
 
 def _check_output_folder(name: str, path: str | None) -> None:
@@ -65,7 +65,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
            zero: int | None = None, steps: int = 4, microbatches: int | None = None, schedule: str = "1f1b",
            model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
            backend: str = "gloo", timeout: float = 300.0, resume_from: str | None = None,
-           save_to: str | None = None) -> Report:
+           save_to: str | None = None, cp: int = 1) -> Report:
     """Train with ``minitp.parallel3d.Parallel3D`` on a dp × pp × tp mesh and report it against the
     three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
 
@@ -74,14 +74,24 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     resume_from: a checkpoint (``minitp.checkpoint``, any layout) to start from, at the step it was
         saved; the run then trains up to ``steps`` and is checked against the reference at ``steps``.
     save_to: save a sharded checkpoint after the last step.
+    cp: context parallel inside each replica (``minitp.cp``): the mesh's dp dimension holds dp·cp
+        ranks, each replica's rows split over cp along the sequence (pp = 1 and DDP only).
     """
-    nproc = dp * pp * tp if nproc is None else nproc
+    nproc = dp * cp * pp * tp if nproc is None else nproc
     train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
     cfg = get_config(model)
-    layout.check_3d_layout(cfg, dp, pp, tp, nproc)
+    layout.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
+    if cp > 1:
+        if pp > 1 or fsdp or save_to or resume_from:
+            raise ValueError(f"cp={cp} composes with dp (DDP) and tp only: pp must be 1, without --fsdp or "
+                             f"checkpoints (got pp={pp}, fsdp={fsdp})")
+        layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
     data_parallel = "fsdp" if fsdp else "ddp"
     zero = layout.check_zero(data_parallel, zero, pp)
+    if fsdp and pp > 1 and schedule == "zb":
+        raise ValueError("schedule='zb' with fsdp: FSDP's gathered weights are views, and zero-bubble's W needs each "
+                         "linear weight as a parameter of its own; use DDP (no --fsdp) or another schedule")
     if microbatches is None:
         microbatches = batch_size // dp if pp > 1 else 1
     if pp > 1:
@@ -91,13 +101,16 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     start_step = checkpoint.read_index(resume_from)["step"] if resume_from else 0
     if not start_step < steps:
         raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
-    options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule)
-    results = launch(_3d_worker, nproc, model, train, {"dp": dp, "pp": pp, "tp": tp}, options, start_step,
+    options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule, cp=cp)
+    results = launch(_3d_worker, nproc, model, train, {"dp": dp * cp, "pp": pp, "tp": tp}, options, start_step,
                      resume_from, save_to, backend=backend, timeout=timeout, echo=False)
     ran = steps - start_step
     by_dim = []
     for r in results:
         d, s, _ = r["coords"]
+        if cp > 1:  # d: the rank's place among the dp·cp ranks that average its gradients
+            by_dim.append(cost.cp3d_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, d, steps=ran, start_up=True))
+            continue
         by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
                                              zero or 3, steps=ran, start_up=True, state_dict=True))
     expected_memory = [cost.threed_memory_per_rank(cfg, dp, tp, pp, r["coords"][1], data_parallel, zero or 3)
@@ -108,13 +121,14 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
                        for r, t in zip(results, results.traces)]
     # each replica's whole model, from its stages' tp slices
     replicas = []
-    for d in range(dp):
+    for d in range(dp * cp):  # with cp, each replica's cp ranks hold the same parameters
         shards = [[results[layout.rank_of(d, s, t, pp, tp)]["shards"] for t in range(tp)] for s in range(pp)]
         replicas.append(unshard_3d(shards))
     per_rank = [{**{k: v for k, v in r.items() if k != "shards"}, "state": replicas[r["coords"][0]]} for r in results]
     ref_losses, ref_state = full_batch(cfg, train)
     return build_report(
-        "3d", {"dp": dp, "tp": tp, "pp": pp}, per_rank, results, model, replace(train, steps=ran),
+        "3d", {"dp": dp, "tp": tp, "pp": pp, **({"cp": cp} if cp > 1 else {})}, per_rank, results, model,
+        replace(train, steps=ran),
         [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses[start_step:], ref_state),
         start_step=start_step, comm_bytes_traced_by_dim=traced_by_dim, comm_bytes_expected_by_dim=by_dim,
         data_parallel=data_parallel, zero=zero, microbatches=microbatches if pp > 1 else None,
@@ -126,11 +140,13 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("dp", int, 2, "data-parallel replicas", low=1),
     Option("tp", int, 2, "tensor-parallel ranks per stage", low=1),
     Option("pp", int, 2, "pipeline stages", low=1),
+    Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring (pp=1, DDP)",
+           low=1),
     Option("fsdp", bool, False, "FSDP across replicas instead of DDP"),
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)", low=1,
            optional=True),
-    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b")),
+    Option("schedule", str, "1f1b", "pipeline schedule (interleaved: minitp run pp)", choices=("gpipe", "1f1b", "zb")),
     Option("save_to", str, None, "save a sharded checkpoint into this folder after the last step", metavar="DIR"),
     Option("resume_from", str, None, "start from a checkpoint (any layout)", metavar="DIR"),
 ), common=tuple(replace(o, default=None, optional=True, help="number of processes (default dp*pp*tp)")

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from minitp.viz import style
 
-KIND_COLORS = {"F": "#56B4E9", "B": "#E69F00"}  # forward light blue, backward orange
-KIND_NAMES = {"F": "forward", "B": "backward"}
+KIND_COLORS = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}  # forward light blue, backward orange, weight green
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+CHUNK_HATCHES = ("", "////", "....", "xxxx")  # interleaved: chunk 0 plain, chunk 1 hatched, ...
 
 
 def actions_of(timeline) -> list[tuple[str, int, float, float]]:
@@ -30,10 +31,19 @@ def actions_of(timeline) -> list[tuple[str, int, float, float]]:
         if len(item) == 3:
             action, start, end = item
             out.append((action.kind, action.microbatch, float(start), float(end)))
-        else:
-            kind, mb, start, end = item
+        else:  # [kind, microbatch, start, end] or [kind, microbatch, start, end, chunk]
+            kind, mb, start, end = item[:4]
             out.append((kind, int(mb), float(start), float(end)))
     return out
+
+
+def chunks_of(timeline) -> list[int]:
+    """The chunk of each action of one rank's timeline (0 where none is recorded)."""
+    return [(item[0].chunk if len(item) == 3 else (int(item[4]) if len(item) > 4 else 0)) for item in timeline]
+
+
+def _raw(run) -> list:
+    return run["last_step_timeline"] if hasattr(run, "keys") else run
 
 
 def _timelines(run) -> list[list[tuple[str, int, float, float]]]:
@@ -114,7 +124,7 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
 
 # -- the Gantt chart --------------------------------------------------------------------------------
 def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55, unit: str = "ms",
-          text: bool = True, messages: bool = False):
+          text: bool = True, messages: bool = False, ax=None, legend: bool = True):
     """One lane per rank (rank 0 on top), one bar per action at its recorded start and end.
 
     run: a ``run_pp`` report, or a list (one per rank) of timelines: (Action, start, end) tuples
@@ -122,29 +132,36 @@ def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55
     unit: "ms" for recorded seconds, "slots" for ``pp.simulate`` times (drawn as they are).
     messages: draw each message as an arrow from the action that produced it (the end of F3 on
         rank s, or of B3 on rank s) to the action that consumed it (F3 on rank s+1, B3 on rank s-1).
+    ax: draw into these axes (``gantt_grid``) instead of a new figure; ``legend`` beside it or not.
     Times start at 0 at the first action on any rank.
     """
     lanes = _timelines(run)
     if not any(lanes):
         raise ValueError("no actions to draw: every timeline is empty")
+    chunks = [chunks_of(t) for t in _raw(run)]
+    interleaved = any(any(c) for c in chunks)
     t0 = min(a[2] for lane in lanes for a in lane)
     scale = 1e3 if unit == "ms" else 1.0
     t1 = max(a[3] for lane in lanes for a in lane)
     span = (t1 - t0) * scale
     p = len(lanes)
-    fig = style.figure(width, 0.55 + lane_height * p)
-    ax = fig.add_subplot()
+    if ax is None:
+        fig = style.figure(width, 0.55 + lane_height * p)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+        width = ax.get_position().width * fig.get_figwidth() + 1.3
     points_per_unit = (width - 1.3) * 72 / max(span, 1e-9)
     for rank, lane in enumerate(lanes):
         y = p - 1 - rank
-        for kind, mb, s, e in lane:
+        for (kind, mb, s, e), chunk in zip(lane, chunks[rank]):
             x, w = (s - t0) * scale, (e - s) * scale
+            name = f"{kind}{mb}" + (f"c{chunk}" if chunk else "")
             ax.broken_barh([(x, w)], (y - 0.38, 0.76), facecolors=KIND_COLORS[kind], edgecolor="black",
-                           linewidth=0.4, gid=f"action:{rank}:{kind}{mb}")
-            name = f"{kind}{mb}"
+                           linewidth=0.4, hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)], gid=f"action:{rank}:{name}")
             if text and w * points_per_unit > 4.5 * len(name) + 2:
                 ax.text(x + w / 2, y, name, ha="center", va="center", fontsize=6.5, clip_on=True)
-    if messages:
+    if messages and not interleaved:
         at = {(rank, kind, mb): (s, e) for rank, lane in enumerate(lanes) for kind, mb, s, e in lane}
         for (rank, kind, mb), (_, end) in at.items():
             to = rank + 1 if kind == "F" else rank - 1
@@ -162,20 +179,75 @@ def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time (ms)" if unit == "ms" else "time (slots of one forward)")
     ax.spines[["top", "right"]].set_visible(False)
+    if legend:
+        ax.legend(handles=_legend(lanes, chunks, messages), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+def _legend(lanes, chunks, messages: bool) -> list:
     from matplotlib.patches import Patch
 
+    interleaved = any(any(c) for c in chunks)
+    kinds = {a[0] for lane in lanes for a in lane}
     handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.4, label=KIND_NAMES[k])
-               for k, c in KIND_COLORS.items()]
+               for k, c in KIND_COLORS.items() if k in kinds]
+    if interleaved:
+        handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c], linewidth=0.4,
+                          label=f"chunk {c}") for c in range(1 + max(max(c, default=0) for c in chunks))]
     handles.append(Patch(facecolor="white", edgecolor="#999999", linewidth=0.4, label="idle (bubble)"))
     if messages:
         from matplotlib.lines import Line2D
 
         handles += [Line2D([], [], color="#0072B2", linewidth=0.8, label="activation →"),
                     Line2D([], [], color="#D55E00", linewidth=0.8, label="← gradient")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return handles
+
+
+def gantt_grid(runs: dict, formulas: dict[str, float] | None = None, *, title: str = "", unit: str = "ms",
+               width: float = 10.0, columns: int = 2):
+    """Several schedules' Gantt charts side by side on one time axis, one panel per schedule, each
+    titled with its measured idle share (mean over ranks) and, if given, its formula's.
+
+    runs: {schedule name: per-rank timelines (or a ``run_pp`` report)}; formulas: {name: bubble}.
+    """
+    from minitp.pp_schedules import bubble_fraction
+
+    names = list(runs)
+    rows = -(-len(names) // columns)
+    lanes = max(len(_timelines(r)) for r in runs.values())
+    fig = style.figure(width, rows * (0.9 + 0.32 * lanes) + 0.6)
+    axes = fig.subplots(rows, columns, squeeze=False)
+    everything, chunks, right = [], [], 0.0
+    for k, (ax, name) in enumerate(zip(axes.flat, names)):
+        run = runs[name]
+        share = sum(bubble_fraction(_as_triples(run))) / len(_timelines(run))
+        head = f"{name}: idle {share:.3f}"
+        if formulas and name in formulas:
+            head += f", formula {formulas[name]:.3f}"
+        gantt(run, unit=unit, text=False, ax=ax, legend=False)
+        ax.set_title(head, fontsize=8.5)
+        right = max(right, ax.get_xlim()[1])
+        if k < len(names) - columns:
+            ax.set_xlabel("")
+        everything += _timelines(run)
+        chunks += [chunks_of(t) for t in _raw(run)]
+    for ax in axes.flat:
+        ax.set_xlim(0, right)  # one time axis for all: the longest step
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.legend(handles=_legend(everything, chunks, False), fontsize=7, loc="outside lower center", ncol=6,
+               frameon=False)
     if title:
-        ax.set_title(title, fontsize=10)
+        fig.suptitle(title, fontsize=10)
     return fig
+
+
+def _as_triples(run) -> list[list[tuple]]:
+    """(kind, start, end) triples per rank, the shape ``bubble_fraction`` sums over."""
+    return [[(kind, s, e) for kind, _, s, e in lane] for lane in _timelines(run)]
 
 
 # -- the bubble as m grows ---------------------------------------------------------------------------
@@ -207,10 +279,16 @@ def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int
 # -- activations held --------------------------------------------------------------------------------
 def in_flight_steps(timeline) -> list[tuple[float, int]]:
     """(time, micro-batches held) after each action of one rank: +1 when a forward starts (its
-    activations are being kept), -1 when a backward ends (they are freed)."""
+    activations are being kept), -1 when a backward ends (they are freed), or its W when the
+    schedule splits the weight gradient off (zero-bubble keeps inputs and gradients until then)."""
+    actions = actions_of(timeline)
+    frees = "W" if any(a[0] == "W" for a in actions) else "B"
     points = []
-    for kind, _, s, e in actions_of(timeline):
-        points.append((s, 1) if kind == "F" else (e, -1))
+    for kind, _, s, e in actions:
+        if kind == "F":
+            points.append((s, 1))
+        elif kind == frees:
+            points.append((e, -1))
     held, out = 0, []
     for t, delta in sorted(points, key=lambda x: (x[0], x[1])):
         held += delta
@@ -248,4 +326,5 @@ def in_flight(runs: dict[str, list], *, title: str = "", width: float = 8.0):
     return fig
 
 
-__all__ = ["stage_map", "gantt", "bubble_curve", "in_flight", "in_flight_steps", "actions_of", "KIND_COLORS"]
+__all__ = ["stage_map", "gantt", "gantt_grid", "bubble_curve", "in_flight", "in_flight_steps", "actions_of",
+           "chunks_of", "KIND_COLORS"]

@@ -9,6 +9,7 @@ OP_COLORS = {
     "all_gather": "#009E73",
     "reduce_scatter": "#D55E00",
     "broadcast": "#CC79A7",
+    "all_to_all": "#882255",
     "send": "#E69F00",
     "recv": "#56B4E9",
     "compute": "#BBBBBB",

@@ -1,0 +1,145 @@
+"""Measure this machine for the time model: one rank's matmul rate, and gloo's α and β.
+
+``minitp calibrate`` runs this and stores the figures (``minitp.cost.calibration_path()``:
+$MINITP_CALIBRATION, else ~/.cache/minitp/calibration.json); every ``minitp run`` then reports its
+``predicted_step_s`` from them (``minitp.cost.this_machine()``).
+
+* FLOP/s: a matrix multiply timed on one thread (each rank of a run uses one), at the shapes the
+  tiny model runs, (B·S, D) @ (D, F) with B·S = 128, D = 64, F = 128: small matmuls reach a small
+  share of what large ones do, and the tiny model's step is made of them (plus per-operation
+  overhead, which this rate then carries too). The rate at a large size is stored beside it.
+* the step's overhead: a one-process training step of the tiny model on one thread (the fastest of a
+  dozen) less its FLOPs at that rate. At these sizes the FLOPs take about a millisecond and the step
+  tens: Python, autograd and the optimizer's loop dominate, and a prediction without this term would
+  be off by an order of magnitude.
+* α and β: all-reduces of a few sizes on 2 ranks over gloo, the fastest of several each (a
+  shared machine only ever adds time), fitted to
+  T(B) = 2(n-1)·α + 2(n-1)/n · B/β (n = 2: T = 2α + B/β) by least squares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from minitp.cost.time import calibration_path
+
+SIZES = (4, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes of the all-reduced buffer
+TINY_SHAPE = (128, 64, 128)  # (M, K, N): tokens, D, F of the tiny model at batch 8, seq 16
+
+
+def matmul_flops_per_s(m: int, k: int, n: int, repeats: int = 50, seconds: float = 0.2) -> float:
+    """FLOP/s of (m, k) @ (k, n) in fp32 on one thread: 2mkn per multiply, the best of a few rounds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b  # warm-up
+        best, t_end = float("inf"), time.perf_counter() + seconds
+        while True:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            best = min(best, (time.perf_counter() - t0) / repeats)
+            if time.perf_counter() > t_end:
+                break
+        return 2 * m * k * n / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def step_overhead_s(flops_per_s: float, batch: int = 8, seq: int = 16, repeats: int = 20) -> float:
+    """Seconds one training step of the tiny model takes on one thread beyond its FLOPs at
+    ``flops_per_s``: the fastest of ``repeats`` steps (the first two warm up), less its FLOPs
+    (6Ψ + attention per token) at that rate."""
+    from minitp.cost.time import training_flops_per_token
+    from minitp.models import TINY, build_model, loss_fn, make_optimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(TINY, seed=0)
+        optimizer = make_optimizer(model.parameters(), 1e-3)
+        g = torch.Generator().manual_seed(0)
+        tokens, targets = (torch.randint(0, TINY.vocab_size, (batch, seq), generator=g) for _ in range(2))
+        best = float("inf")
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            optimizer.zero_grad()
+            loss_fn(model(tokens), targets).backward()
+            optimizer.step()
+            best = min(best, time.perf_counter() - t0) if i >= 2 else best
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, best - batch * seq * training_flops_per_token(TINY, seq) / flops_per_s)
+
+
+def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = {}
+    for nbytes in sizes:
+        x = torch.zeros(max(1, nbytes // 4))
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        out[nbytes] = min(times[2:])  # the first two warm the connection up; the least disturbed
+    return out
+
+
+def fit_alpha_beta(times: dict[int, float], n: int = 2) -> tuple[float, float]:
+    """α (s per ring step) and β (bytes/s) from all-reduce times {bytes: seconds} on n ranks:
+    least squares of T = 2(n-1)·α + (2(n-1)/n · B)/β, a line in B."""
+    xs = [2 * (n - 1) / n * b for b in times]
+    ys = list(times.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    if slope <= 0:
+        raise ValueError(f"all-reduce times do not grow with size ({times}); calibrate again on a quieter machine")
+    return max(intercept, 0.0) / (2 * (n - 1)), 1.0 / slope
+
+
+def calibrate(repeats: int = 20, sizes: tuple[int, ...] = SIZES) -> dict:
+    """Measure this machine (a few seconds): the figures ``minitp.cost.device_from_calibration`` reads."""
+    from minitp.launch import launch
+
+    flops = matmul_flops_per_s(*TINY_SHAPE)
+    large = matmul_flops_per_s(512, 512, 512, repeats=5)
+    overhead = step_overhead_s(flops)
+    results = launch(_all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
+    times = {b: max(r[b] for r in results) for b in sizes}  # the slower rank finishes the collective
+    alpha, beta = fit_alpha_beta(times, 2)
+    return {
+        "name": "gloo, 1 thread per rank", "flops_per_s": flops, "flops_per_s_large": large,
+        "matmul_shape": list(TINY_SHAPE), "step_overhead_s": overhead, "alpha_s": alpha, "bytes_per_s": beta,
+        "all_reduce_s": {str(b): t for b, t in times.items()}, "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch": torch.__version__,
+    }
+
+
+def save(cal: dict, path: str | None = None) -> str:
+    """Write a calibration (JSON) where ``minitp.cost.load_calibration`` reads it; returns the path."""
+    path = path or calibration_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(cal, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)  # whole or absent
+    return path
+
+
+def format_calibration(cal: dict) -> str:
+    return (f"matmul {tuple(cal['matmul_shape'])}: {cal['flops_per_s'] / 1e9:.2f} GFLOP/s per rank "
+            f"(512^3: {cal['flops_per_s_large'] / 1e9:.2f}), 1 thread; gloo all-reduce: "
+            f"α = {cal['alpha_s'] * 1e6:.1f} µs per step, β = {cal['bytes_per_s'] / 1e9:.2f} GB/s; "
+            f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs; {cal['cores']} cores")

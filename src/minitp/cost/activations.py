@@ -1,0 +1,98 @@
+"""Activation memory: what autograd keeps for backward, per block, per rank.
+
+Part of ``minitp.cost`` (re-exported there). Two formulas:
+
+* ``block_activation_bytes``: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", Table 2), in 16-bit, per block and micro-batch of b sequences of s tokens,
+  D = hidden size, H = heads, t = tp:
+
+  ==============================  ==============================
+  tensor parallel                 s·b·D·(10 + 24/t) + 5·H·s²·b/t
+  + sequence parallel             s·b·D·34/t + 5·H·s²·b/t
+  selective recomputation         drops 5·H·s²·b/t (the scores, softmax and its dropout mask)
+  full recomputation              2·s·b·D (the block's input; /t under sequence parallel)
+  ==============================  ==============================
+
+  The 34 counts what a GPT block of their paper keeps (biases, dropout masks, GeLU, 4D MLP); a LLaMA
+  block differs in detail (SwiGLU, no dropout) but not in which terms shrink with tp. FlashAttention
+  never stores the scores: it recomputes them, so it is itself selective recomputation.
+
+* ``tiny_block_activation_bytes``: exactly what a block of ``minitp.models`` saves, tensor by tensor
+  (checked against saved-tensor hooks by ``minitp.activations`` and its tests).
+"""
+
+from __future__ import annotations
+
+from minitp.layout import stage_num_blocks
+
+__all__ = ["block_activation_bytes", "activation_bytes_per_rank", "tiny_block_activation_bytes", "kv_cache_bytes",
+           "attention_weight_shapes"]
+
+
+def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
+                           recompute="none", flash_attention: bool = True, dtype_bytes: int = 2) -> float:
+    """Korthikanti's bytes one block keeps for one micro-batch on one rank (table above), scaled by
+    ``dtype_bytes``/2. recompute: "none", "selective" or "full" (False / True read as none / full)."""
+    from minitp.cost.time import recompute_mode
+
+    recompute = recompute_mode(recompute)
+    s, b, d = seq, micro_batch, cfg.dim
+    if recompute == "full":
+        per_block = 2 * s * b * d / (tp if sequence_parallel else 1)
+    else:
+        per_block = s * b * d * (34 / tp if sequence_parallel else 10 + 24 / tp)
+        if recompute == "none" and not flash_attention:
+            per_block += 5 * cfg.n_heads * s * s * b / tp
+    return per_block * dtype_bytes / 2
+
+
+def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
+                              microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
+                              recompute=False, sequence_parallel: bool = False) -> float:
+    """An estimate of the activations a rank keeps for backward under 1F1B: ``block_activation_bytes``
+    (Korthikanti et al. 2022) times the stage's blocks, times the micro-batches in flight
+    (min(pp - stage, m)). recompute: False / "none", "selective" or True / "full"."""
+    per_block = block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
+                                       dtype_bytes)
+    in_flight = min(pp - stage, microbatches)
+    return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
+
+
+def tiny_block_activation_bytes(cfg, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
+                                recompute: bool = False, dtype_bytes: int = 4) -> int:
+    """Exactly the bytes one block of ``minitp.models`` saves for backward on one tensor-parallel rank
+    (N = B·S tokens, D, F, H heads; s = tp under sequence parallel, else 1):
+
+    * each of the two norms: its input, its normalised output (before the weight) and 1/rms per
+      position, (2·N·D + N)/s; then the full (N, D) input of the column-parallel linears, N·D
+      (under sequence parallel the all-gathered one: minitp keeps it, Megatron gathers it again in
+      backward instead);
+    * attention: q, k, v after RoPE (k and v repeated to H heads under GQA) and the heads' output,
+      4·N·D/tp; the softmax, B·(H/tp)·S²; the causal mask, S² booleans (1 byte each);
+    * the MLP: x·W1, SiLU of it, x·W3 and their product, 4·N·F/tp.
+
+    With full recomputation only the block's input is kept: N·D/s."""
+    n, d, f, s = batch * seq, cfg.dim, cfg.ffn_hidden, tp if sequence_parallel else 1
+    if recompute:
+        return n * d // s * dtype_bytes
+    norms = 2 * ((2 * n * d + n) // s + n * d)
+    attention = 4 * n * d // tp + batch * (cfg.n_heads // tp) * seq * seq
+    mlp = 4 * n * f // tp
+    return (norms + attention + mlp) * dtype_bytes + seq * seq
+
+
+def attention_weight_shapes(cfg, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(in, out) of W_Q, W_K, W_V, W_O on one tensor-parallel rank. Grouped-query attention: K and V
+    have n_kv_heads heads, each read by n_heads/n_kv_heads query heads, so W_K and W_V are D × (H_kv·Dh);
+    tp splits the heads (query and key/value alike), hence tp must divide n_kv_heads."""
+    from minitp.layout import check_tp_config
+
+    check_tp_config(cfg, tp)
+    q, kv = cfg.n_heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp
+    return {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim)}
+
+
+def kv_cache_bytes(cfg, tokens: int, batch: int = 1, tp: int = 1, dtype_bytes: int = 2) -> float:
+    """Bytes of the KV cache one rank holds for ``batch`` sequences of ``tokens`` positions: keys and
+    values, every layer, its n_kv_heads/tp heads of head_dim each: 2·L·(H_kv/tp)·Dh·b per token."""
+    return 2 * cfg.n_layers * cfg.kv_heads // tp * cfg.head_dim * dtype_bytes * tokens * batch

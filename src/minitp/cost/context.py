@@ -1,0 +1,124 @@
+"""Context parallel (ring attention): what a rank of a cp group sends and holds.
+
+Part of ``minitp.cost`` (re-exported there); the notation is the package's, plus c = cp (the ranks
+the sequence is split over), S the sequence, b the bytes of an element. A rank holds S/c positions;
+its keys or its values for one attention call are
+
+    KV = B · Hkv · (S/c) · Dh · b   bytes.
+
+Per attention call each rank sends, on the ring (to rank + 1):
+
+    forward    (c-1) · 2KV           its keys and values travel c-1 hops (the last block stays)
+    backward   (c-1) · 2KV + c · 2KV  the blocks go round again; their gradients dK, dV travel
+                                      with them and one more hop brings each rank's own home
+
+Then per step one all-reduce of the gradients, 2(c-1)/c · Ψ · 4 (every rank holds the whole model
+and saw S/c of the tokens). Memory of parameters, gradients and AdamW state is DDP's: nothing is
+sharded but the sequence. Activations are what shrinks: each rank keeps those of S/c positions,
+and the ring's online softmax never forms the S × S scores.
+"""
+
+from __future__ import annotations
+
+from minitp.cost import collective_sent_bytes, memory_per_rank
+from minitp.cost.activations import block_activation_bytes
+
+__all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
+           "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
+           "cp3d_step_bytes"]
+
+
+def cp_kv_block_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4) -> float:
+    """KV: the bytes of one rank's keys (or values) for one attention call, B·Hkv·(S/c)·Dh·b."""
+    return batch * kv_heads * seq / cp * head_dim * dtype_bytes
+
+
+def cp_attention_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4,
+                       backward: bool = True) -> float:
+    """Bytes one rank sends around the ring for one attention call: (c-1)·2KV forward, and with
+    ``backward`` (c-1)·2KV + c·2KV more (the blocks again, and their gradients)."""
+    if cp == 1:
+        return 0.0
+    kv2 = 2 * cp_kv_block_bytes(batch, seq, kv_heads, head_dim, cp, dtype_bytes)
+    return (cp - 1) * kv2 + (((cp - 1) + cp) * kv2 if backward else 0.0)
+
+
+def cp_step_bytes(cfg, batch: int, seq: int, cp: int, dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
+    """Bytes one rank sends in one training step, by kind: {"ring": the attention of every layer,
+    "grads": the all-reduce of every gradient over the cp group}."""
+    ring = cfg.n_layers * cp_attention_bytes(batch, seq, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
+    return {"ring": ring, "grads": collective_sent_bytes("all_reduce", cfg.num_params() * grad_bytes, cp)}
+
+
+def cp_run_bytes(cfg, batch: int, seq: int, cp: int, steps: int, dtype_bytes: int = 4) -> float:
+    """Bytes one rank sends over ``steps`` training steps of ``minitp run cp`` (no start-up
+    broadcast: every rank builds the same model from the same seed)."""
+    return steps * sum(cp_step_bytes(cfg, batch, seq, cp, dtype_bytes).values())
+
+
+def cp_memory_per_rank(cfg, cp: int, precision: str = "fp32", num_tensors: int = 0) -> dict[str, float]:
+    """Parameters, gradients and AdamW state of one rank: the whole model's, whatever cp is."""
+    return memory_per_rank(cfg.num_params(), cp, zero=0, precision=precision, num_tensors=num_tensors)
+
+
+def cp_activation_bytes_per_rank(cfg, batch: int, seq: int, cp: int, tp: int = 1, dtype_bytes: int = 2,
+                                 flash_attention: bool = True) -> float:
+    """Activations one rank keeps for backward (Korthikanti's per-block estimate, every block) with
+    S/c positions. Without ``flash_attention`` the scores count too: S/c queries against all S keys
+    (5·H·(S/c)·S·b/t), which is what plain attention on S/c queries would keep."""
+    local = seq / cp
+    per_block = block_activation_bytes(cfg, batch, local, tp, False, "none", True, dtype_bytes)
+    if not flash_attention:
+        per_block += 5 * cfg.n_heads * local * seq * batch / tp * dtype_bytes / 2
+    return per_block * cfg.n_layers
+
+
+def _diagonal_pairs(size: int, tile: int) -> int:
+    """(query, key) pairs computed for a diagonal chunk pair of ``size`` positions, cut in tiles
+    as ``minitp.cp`` does: the masked upper-right quarter skipped, the diagonal quarters recursing."""
+    if size <= tile:
+        return size * size
+    low, high = size // 2, size - size // 2
+    return _diagonal_pairs(low, tile) + high * low + _diagonal_pairs(high, tile)
+
+
+def cp_attention_flops_per_rank(seq: int, cp: int, rank: int, heads: int, head_dim: int, batch: int = 1,
+                                balanced: bool = True, causal: bool = True, tile: int = 64) -> float:
+    """Floating-point operations of one rank's attention forward (4·B·H·Dh per (query, key) pair:
+    the two matmuls), counting the pairs ``minitp.cp`` computes: chunk pairs wholly in the past
+    in full, diagonal ones in tiles of ``tile`` (about half), future ones not at all: how even the
+    load is."""
+    from minitp.layout import cp_chunks
+
+    mine = cp_chunks(seq, cp, rank, balanced)
+    keys = [c for r in range(cp) for c in cp_chunks(seq, cp, r, balanced)]
+    pairs = 0
+    for qc in mine:
+        for kc in keys:
+            if not causal or kc.stop <= qc.start:
+                pairs += len(qc) * len(kc)
+            elif qc == kc:
+                pairs += _diagonal_pairs(len(qc), tile)
+    return 4.0 * batch * heads * head_dim * pairs
+
+
+def cp3d_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, mesh_dp_rank: int = 0, steps: int = 1,
+                    start_up: bool = False, dtype_bytes: int = 4) -> dict[str, float]:
+    """Bytes a rank of a dp × cp × tp mesh (pp = 1) sends over ``steps`` steps, per dimension.
+
+    A replica's B/dp rows are split over cp along the sequence, so tensor parallel's activations are
+    (B/dp)·(S/cp)·D: its bytes are those of 3D at sequence S/cp. The ring carries this rank's key/value
+    heads, Hkv/tp of them, for B/dp rows. The gradients are averaged by one all-reduce over the dp·cp
+    ranks that hold the same tp slice (``mesh_dp_rank``: the rank's place among them, for DDP's
+    start-up broadcast chain)."""
+    from minitp.cost import ddp_run_bytes
+    from minitp.cost.threed import stage_unit_numels, threed_step_bytes
+    from minitp.layout import check_divisible
+
+    check_divisible("seq_len", seq, "cp", cp)
+    check_divisible("batch_size", batch, "dp", dp)
+    tp_bytes = threed_step_bytes(cfg, batch, seq // cp, dp, tp, 1, 0, steps=steps, activation_bytes=dtype_bytes)["tp"]
+    dp_bytes = ddp_run_bytes(sum(stage_unit_numels(cfg, tp, 1, 0)), dp * cp, steps, mesh_dp_rank,
+                             broadcast_at_init=start_up)
+    ring = cfg.n_layers * cp_attention_bytes(batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, dtype_bytes)
+    return {"tp": tp_bytes, "pp": 0.0, "dp": dp_bytes, "cp": steps * ring}

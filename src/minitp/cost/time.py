@@ -1,0 +1,276 @@
+"""Time: compute from FLOPs at a device's rate, messages by an α–β model per link, minus what overlaps.
+
+Notation (as in ``minitp.cost``, plus):
+
+* ``F``: floating-point operations; a matrix multiply (M, K) @ (K, N) is 2·M·K·N of them;
+* ``R``: a device's rate in FLOP/s; ``α``: a link's latency per message step (seconds);
+  ``β``: its bandwidth, bytes per second **per direction** (what a ring uses: each rank sends to one
+  neighbour while it receives from the other).
+
+Training costs about **6Ψ FLOPs per token** (2Ψ forward: one multiply-add per parameter; 4Ψ backward:
+the gradients of the activations and of the weights), plus attention's scores and weighted sum,
+**12·L·D·S per token** (2·2·S·D forward per layer and token, twice that backward; counted whole, as
+PaLM's MFU does, though a causal mask could skip half). MFU (model FLOPs utilisation) divides those
+model FLOPs by what the GPUs could have done in the step at their published peak; recomputation's
+extra forward is work the hardware does but the model does not count.
+
+A collective on a ring of n ranks takes (n-1) steps per phase (an all-reduce has two phases), each one
+message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point-to-point send takes α + B/β.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from minitp.layout import stage_num_blocks
+
+__all__ = ["Link", "Device", "H100", "A100", "DEVICES", "calibration_path", "device_from_calibration",
+           "load_calibration", "this_machine", "training_flops_per_token", "recompute_flops_per_token",
+           "recompute_mode", "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
+           "arithmetic_intensity", "overlap_budget_bytes"]
+
+
+# -- devices -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """One kind of connection between ranks: α seconds per message step, β bytes/s per direction."""
+
+    name: str
+    alpha_s: float
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the time model needs of one accelerator and the machine it sits in.
+
+    flops_per_s: the dense rate at the training precision (published peak for the GPUs);
+    efficiency: the share of it large matrix multiplies reach in practice (an assumption, not a
+    published figure: compute time is F / (flops_per_s · efficiency); MFU still divides by the peak);
+    intra / inter: the link inside one machine and between machines, per GPU;
+    overhead_s: what a step costs beyond its FLOPs (Python, autograd, the optimizer's loop over
+    tensors): measured on this machine, where the tiny model's step is mostly that; 0 for the GPU
+    presets, whose large kernels hide their launches.
+    """
+
+    name: str
+    flops_per_s: float
+    intra: Link
+    inter: Link
+    gpus_per_node: int = 8
+    memory_bytes: float = 80 * 2**30
+    efficiency: float = 1.0
+    cores: int | None = None  # CPU only: ranks beyond this many share the cores (this machine)
+    overhead_s: float = 0.0  # fixed seconds per forward+backward+step of a whole model and micro-batch
+
+
+# NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor core (1,979 with sparsity); NVLink 4,
+# 900 GB/s per GPU in both directions together, so 450 GB/s each way; one ConnectX-7 NDR InfiniBand
+# NIC per GPU, 400 Gb/s = 50 GB/s. The α values (a few microseconds) are typical of NCCL rings, not
+# published figures; efficiency 0.6 is an assumed share of peak for large bf16 matmuls in training.
+H100 = Device("H100 SXM", 989e12, Link("NVLink 4", 5e-6, 450e9), Link("InfiniBand NDR 400", 10e-6, 50e9),
+              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6)
+# NVIDIA A100 SXM4 80 GB datasheet: 312 TFLOP/s dense BF16 (624 with sparsity); NVLink 3, 600 GB/s
+# both directions together, 300 GB/s each way; one HDR InfiniBand NIC per GPU, 200 Gb/s = 25 GB/s.
+A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 300e9), Link("InfiniBand HDR 200", 10e-6, 25e9),
+              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6)
+DEVICES = {"h100": H100, "a100": A100}
+
+
+# -- this machine: the stored calibration ---------------------------------------------------------
+def calibration_path() -> str:
+    """Where ``minitp calibrate`` stores this machine's figures: $MINITP_CALIBRATION, else
+    ~/.cache/minitp/calibration.json."""
+    return os.environ.get("MINITP_CALIBRATION") or os.path.join(os.path.expanduser("~"), ".cache", "minitp",
+                                                                "calibration.json")
+
+
+def device_from_calibration(cal: dict) -> Device:
+    """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links)."""
+    link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
+    return Device("this machine (" + cal.get("name", "calibrated") + ")", cal["flops_per_s"], link, link,
+                  gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0), efficiency=1.0,
+                  cores=cal.get("cores"), overhead_s=cal.get("step_overhead_s", 0.0))
+
+
+def load_calibration(path: str | None = None) -> dict | None:
+    """The stored calibration, or None when there is none (or it cannot be read)."""
+    path = path or calibration_path()
+    try:
+        with open(path) as f:
+            cal = json.load(f)
+    except (OSError, ValueError):
+        return None
+    need = ("flops_per_s", "alpha_s", "bytes_per_s")
+    return cal if isinstance(cal, dict) and all(isinstance(cal.get(k), (int, float)) for k in need) else None
+
+
+def this_machine(path: str | None = None) -> Device | None:
+    """This machine as a Device, from ``minitp calibrate``'s stored figures (None if never calibrated)."""
+    cal = load_calibration(path)
+    return device_from_calibration(cal) if cal else None
+
+
+# -- compute ----------------------------------------------------------------------------------------
+def training_flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs to train on one token: 6Ψ (forward 2Ψ, backward 4Ψ) + 12·L·D·S for attention."""
+    return 6 * cfg.num_params() + 12 * cfg.n_layers * cfg.dim * seq
+
+
+def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
+    """The extra FLOPs recomputation adds per token: ``full`` runs each block's forward again
+    (2Ψ_blocks + 4·L·D·S), ``selective`` only attention's scores and weighted sum (4·L·D·S)."""
+    recompute = recompute_mode(recompute)
+    if recompute == "none":
+        return 0.0
+    attention = 4 * cfg.n_layers * cfg.dim * seq
+    if recompute == "selective":
+        return float(attention)
+    d, v = cfg.dim, cfg.vocab_size
+    return 2 * (cfg.num_params() - 2 * v * d - d) + attention
+
+
+def recompute_mode(recompute) -> str:
+    """``recompute`` as one of "none", "selective", "full" (False and True read as none and full)."""
+    mode = {False: "none", True: "full", None: "none"}.get(recompute, recompute)
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    return mode
+
+
+def _shared_cores(device: Device, ranks_on_machine: int) -> float:
+    """How many times slower a rank runs when the ranks outnumber the cores (CPU only)."""
+    return max(1.0, ranks_on_machine / device.cores) if device.cores else 1.0
+
+
+def compute_time(flops: float, device: Device, ranks_on_machine: int = 1) -> float:
+    """Seconds to do ``flops`` at the device's rate; on a CPU with fewer cores than ranks, the ranks
+    share them (each gets cores/ranks of one)."""
+    return flops / (device.flops_per_s * device.efficiency) * _shared_cores(device, ranks_on_machine)
+
+
+# -- communication ----------------------------------------------------------------------------------
+RING_PHASES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds one ``op`` on a buffer of ``nbytes`` over a ring of ``n`` ranks takes: (n-1) steps
+    per phase, each α plus B/n bytes at β. ``send``: α + B/β."""
+    from minitp.cost import collective_sent_bytes
+
+    if op == "send":
+        return link.alpha_s + nbytes / link.bytes_per_s
+    if n <= 1:
+        return 0.0
+    if op not in RING_PHASES:
+        raise ValueError(f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter or send")
+    return RING_PHASES[op] * (n - 1) * link.alpha_s + collective_sent_bytes(op, nbytes, n) / link.bytes_per_s
+
+
+def links_of_layout(dp: int, pp: int, tp: int, device: Device) -> dict[str, Link]:
+    """Which link each dimension's messages cross, with minitp's order (tp fastest, dp slowest, ranks
+    filling machines in order): a group stays inside a machine when its span (tp; tp·pp; dp·pp·tp)
+    fits in one. Megatron and torchtitan order pp outermost instead; the tp rule is the same."""
+    inside = device.gpus_per_node
+    return {"tp": device.intra if tp <= inside else device.inter,
+            "pp": device.intra if tp * pp <= inside else device.inter,
+            "dp": device.intra if dp * pp * tp <= inside else device.inter}
+
+
+# -- one training step -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step, in seconds: each part and what is left exposed after overlap."""
+
+    compute_s: float  # this rank's FLOPs (recomputation included) at the device's rate
+    bubble_s: float  # pipeline idle time: compute · (p-1)/m
+    tp_s: float  # tensor parallel's all-reduces: on the critical path, never hidden
+    pp_s: float  # activations between stages (point-to-point), counted exposed
+    dp_s: float  # the gradient all-reduce (DDP) or FSDP's gathers and reduce-scatters, whole
+    dp_exposed_s: float  # what of dp_s does not hide behind compute
+    step_s: float  # compute + bubble + tp + pp + exposed dp
+    model_flops: float  # per step, whole model, no recomputation
+    mfu: float  # model_flops / (step_s · gpus · peak)
+
+
+def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
+              microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
+              sequence_parallel: bool = False, recompute="none", overlap: bool = True,
+              buckets: int | None = None) -> StepTime:
+    """Predicted seconds of one training step of ``cfg`` on dp·pp·tp ranks of ``device``.
+
+    Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
+    with a pipeline only the last micro-batch's backward is left to hide behind); FSDP (ZeRO-3)
+    prefetches its gathers behind forward and backward, so all of the compute; tensor parallel's g
+    and f sit between two matmuls that need their result, so nothing hides them; the pipeline's
+    sends are counted whole. Compute includes the device's fixed ``overhead_s`` per micro-batch
+    (its stage's 1/pp of it; every tp and dp rank runs all the operations). buckets: DDP's
+    all-reduces per step (default: one per 25 MiB of gradients, PyTorch's bucket size); each message
+    step costs α (``_ring_steps``).
+    """
+    from minitp.cost import threed_step_bytes
+
+    recompute = recompute_mode(recompute)
+    gpus, m = dp * pp * tp, microbatches if pp > 1 else 1
+    b = 2 if precision in ("bf16", "fp16") else 4
+    tokens = batch * seq
+    model_flops = tokens * training_flops_per_token(cfg, seq)
+    rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)) / gpus
+    compute = compute_time(rank_flops, device, gpus)
+    # the fixed cost of a step: each micro-batch pays it on its stage's share of the model
+    compute += device.overhead_s * m / pp * _shared_cores(device, gpus)
+    bubble = compute * (pp - 1) / m
+    links = links_of_layout(dp, pp, tp, device)
+    worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    for stage in range(pp):
+        sent = threed_step_bytes(cfg, batch, seq, dp, tp, pp, stage, 0, data_parallel, zero, activation_bytes=b,
+                                 param_bytes=b, grad_bytes=b, sequence_parallel=sequence_parallel,
+                                 recompute=recompute)
+        blocks = stage_num_blocks(cfg.n_layers, pp, stage)
+        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets)
+        for dim in worst:
+            link = links[dim]
+            worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
+    if not overlap:
+        window = 0.0
+    elif data_parallel == "fsdp" and zero == 3:
+        window = compute
+    else:
+        window = compute * 2 / 3 / m
+    dp_exposed = max(0.0, worst["dp"] - window)
+    step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed
+    mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
+    return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu)
+
+
+def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
+                dp_bytes: float, buckets: int | None) -> dict[str, float]:
+    """Message steps on the critical path per step, each costing α: an all-reduce over n ranks takes
+    2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send 1.
+    tp: per micro-batch 4 per block (6 with full recomputation), plus the embedding, output and loss's 3;
+    pp: m sends forward, m backward; dp: DDP's buckets, or FSDP's gathers and reduce-scatters per unit."""
+    tp, pp, dp = sizes["tp"], sizes["pp"], sizes["dp"]
+    per_block = 6 if recompute == "full" else 4
+    out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m if pp > 1 else 0, "dp": 0}
+    if dp > 1:
+        units = blocks + 1
+        if data_parallel == "ddp":
+            out["dp"] = (buckets or max(1, math.ceil(dp_bytes / (2 * (dp - 1) / dp) / (25 * 2**20)))) * 2 * (dp - 1)
+        else:  # ZeRO-3: gather in forward and in backward, reduce-scatter; ZeRO-1/2: reduce-scatter, gather
+            out["dp"] = units * (3 if zero == 3 else 2) * (dp - 1)
+    return out
+
+
+def arithmetic_intensity(m: int, k: int, n: int, dtype_bytes: int = 2) -> float:
+    """FLOPs per byte moved of a (m, k) @ (k, n) matmul reading both inputs and writing the output
+    once: 2mkn / ((mk + kn + mn)·b). Above the device's FLOP/s ÷ memory bandwidth it is compute-bound."""
+    return 2 * m * k * n / ((m * k + k * n + m * n) * dtype_bytes)
+
+
+def overlap_budget_bytes(compute_s: float, link: Link) -> float:
+    """Bytes a link can carry while ``compute_s`` of compute runs: what can hide behind it."""
+    return compute_s * link.bytes_per_s

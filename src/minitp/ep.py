@@ -1,0 +1,196 @@
+"""Expert parallel from scratch: the experts of each MoE layer split over the ranks of a group.
+
+Rank r of n holds experts [r·E/n, (r+1)·E/n) of every MoE layer and reads its own B/n sequences;
+everything else (embedding, attention, norms, routers, output) is replicated and data parallel over
+the same ranks, as frameworks do. One MoE layer, forward, on each rank:
+
+1. **route** its own tokens (the router is replicated): each token picks k experts; capacity drops
+   what does not fit (``minitp.models.moe``: per sequence, so the same tokens drop as on one process);
+2. **dispatch**: sort its kept assignments by expert, hence by the rank holding it, and send each
+   rank its rows with one ``all_to_all`` (uneven chunks). A first, small all-to-all of the counts per
+   expert tells every rank how many rows it will receive and for which of its experts;
+3. run each local expert once on every row it received, from every rank;
+4. **combine**: send each output back where its token came from (the same all-to-all reversed) and
+   add each token's k outputs weighted by its gates.
+
+Backward is the transpose: autograd sends the gradients of the combine's rows to the experts and
+those of the dispatch's rows back (two all-to-alls with the split sizes swapped). After backward the
+replicated parameters' gradients are averaged over the group (one all-reduce), and each expert's
+gradient, which already sums every rank's tokens, is divided by n: the loss is the mean of the ranks'.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minitp import comm
+from minitp.models.moe import MoEFeedForward, Routing, combine, load_balancing_loss, moe_layers, route
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all of rows forward; backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, label):
+        ctx.splits, ctx.group, ctx.label = (output_splits, input_splits), group, label
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group, label=label)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        comm.all_to_all(out, grad.contiguous(), input_splits, output_splits, group=ctx.group,
+                        label=ctx.label + "/backward")
+        return out, None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None,
+                    label: str = "ep") -> torch.Tensor:
+    """Send ``input_splits[j]`` rows of x (A, D) to rank j of the group, receive ``output_splits[i]``
+    from rank i -> (sum(output_splits), D); autograd-aware (backward is the reverse all-to-all)."""
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group, label)
+
+
+def experts_of_rank(n_experts: int, ep: int, rank: int) -> range:
+    """The experts rank ``rank`` of ``ep`` holds: a contiguous E/ep of them."""
+    if n_experts % ep:
+        raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every rank holds E/ep experts")
+    per = n_experts // ep
+    return range(rank * per, (rank + 1) * per)
+
+
+def dispatch_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's kept assignments grouped by expert (so by destination rank), each expert's in
+    (b, s, slot) order: (order (A,) assignment ids = token·k + slot, counts (E,) per expert)."""
+    expert, keep = routing.expert.reshape(-1), routing.keep.reshape(-1)  # (B·S·k,)
+    kept = keep.nonzero().squeeze(1)
+    order = kept[torch.sort(expert[kept], stable=True).indices]
+    return order, torch.bincount(expert[order], minlength=routing.n_experts)
+
+
+class ExpertParallelFeedForward(nn.Module):
+    """A ``MoEFeedForward`` whose experts are split over ``group``: this rank keeps the router and its
+    E/n experts (under their own names, ``experts.5.w1``...), and swaps tokens with the others."""
+
+    def __init__(self, moe: MoEFeedForward, group=None, name: str = "moe"):
+        super().__init__()
+        self.config, self.top_k, self.group, self.name = moe.config, moe.top_k, group, name
+        self.world_size, rank = comm.group_size(group), comm.group_rank(group)
+        self.n_experts = len(moe.experts)
+        self.local = experts_of_rank(self.n_experts, self.world_size, rank)
+        self.router = moe.router
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in self.local})
+        self.routing: Routing | None = None
+        self.aux_loss: torch.Tensor | None = None
+        self.history: list[torch.Tensor] = []  # kept assignments per expert, this rank's tokens
+        self.routed: list[torch.Tensor] = []  # the same before capacity
+        self.received: list[torch.Tensor] = []  # (n, E/n) rows received from each rank per local expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        n, k, per = self.world_size, self.top_k, self.n_experts // self.world_size
+        routing = route(self.router(x), k, self.config.capacity(S))
+        self.routing, self.aux_loss = routing, load_balancing_loss(routing)
+        order, counts = dispatch_order(routing)  # (A,), (E,)
+        self.history.append(counts)
+        self.routed.append(routing.routed_per_expert())
+
+        # dispatch: first the counts (rank j gets this rank's counts for its experts), then the rows
+        incoming = torch.empty_like(counts)  # (E,) as (n, E/n): from rank i, rows for each local expert
+        comm.all_to_all(incoming, counts, group=self.group, label=f"{self.name}/dispatch.counts")
+        incoming = incoming.view(n, per)
+        self.received.append(incoming)
+        send_splits = counts.view(n, per).sum(1).tolist()  # rows to each rank
+        recv_splits = incoming.sum(1).tolist()  # rows from each rank
+        rows = x.reshape(B * S, D)[order // k]  # (A, D) the token of each assignment, grouped by expert
+        received = all_to_all_rows(rows, recv_splits, send_splits, self.group, f"{self.name}/dispatch")
+
+        # each local expert once, on its rows from every rank: regroup (source, expert) -> (expert, source)
+        starts = torch.cat([incoming.new_zeros(1), incoming.reshape(-1).cumsum(0)[:-1]]).view(n, per)
+        outputs = []
+        for j, e in enumerate(self.local):
+            mine = torch.cat([torch.arange(s, s + c, device=x.device)
+                              for s, c in zip(starts[:, j].tolist(), incoming[:, j].tolist())]
+                             + [torch.arange(0, device=x.device)])  # its rows from every source rank
+            chunk = received[mine]  # (rows for expert e, D)
+            outputs.append((mine, self.experts[str(e)](chunk) if len(mine) else chunk))
+        where = torch.cat([m for m, _ in outputs])
+        done = received.new_zeros(received.shape).index_copy(0, where, torch.cat([o for _, o in outputs]))
+
+        # combine: every output back to the rank of its token, then each token's k outputs by their gates
+        back = all_to_all_rows(done, send_splits, recv_splits, self.group, f"{self.name}/combine")  # (A, D)
+        slots = x.new_zeros(B * S * k, D).index_copy(0, order, back)
+        return combine(slots.view(B, S, k, D), routing)
+
+
+class ExpertParallel(nn.Module):
+    """Make ``model`` (a MoE model, the same on every rank) expert parallel over ``group``: each MoE
+    layer keeps E/n experts; after every backward the replicated parameters' gradients are averaged
+    over the group and the experts' divided by n, so every rank steps as one process would."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, dp_group=None):
+        super().__init__()
+        self.module, self.group = model, group
+        comm.name_group(group, "ep", unless_named=True)
+        self.dp_group = group if dp_group is None else dp_group  # the replicated parameters' group
+        if dp_group is not None:  # its own group object (same ranks): its bytes count as "dp"
+            if comm.group_ranks(dp_group) != comm.group_ranks(group):
+                raise ValueError(f"dp_group {comm.group_ranks(dp_group)} must hold the ep group's ranks "
+                                 f"{comm.group_ranks(group)}: the replicated parameters are data parallel over them")
+            comm.name_group(dp_group, "dp", unless_named=True)
+        self.world_size = comm.group_size(group)
+        for i, block in enumerate(model.layers):
+            if isinstance(block.feed_forward, MoEFeedForward):
+                block.feed_forward = ExpertParallelFeedForward(block.feed_forward, group, f"ep/layers.{i}")
+        self.expert_params = [p for layer in moe_layers(model) for p in layer.experts.parameters()]
+        ids = {id(p) for p in self.expert_params}
+        self.replicated_params = [p for p in model.parameters() if id(p) not in ids]
+        self._queued = False
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self, param) -> None:
+        if not self._queued:  # once per backward, when it is over
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradients)
+            self._queued = True
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """Average the replicated gradients over the group (one flat all-reduce); divide the experts'."""
+        self._queued = False
+        grads = [p.grad for p in self.replicated_params]
+        if any(g is None for g in grads):
+            missing = [i for i, g in enumerate(grads) if g is None]
+            raise RuntimeError(f"replicated parameters {missing[:5]} got no gradient; every rank must use them")
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(comm.group_size(self.dp_group))
+        comm.all_reduce(flat, group=self.dp_group, label="ep/replicated_grads")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        for p in self.expert_params:
+            if p.grad is not None:
+                p.grad.div_(self.world_size)
+
+
+def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters under the plain model's names (its experts only)."""
+    state = {}
+    for k, v in model.state_dict().items():
+        state[k.removeprefix("module.")] = v.detach().clone()
+    return state
+
+
+def full_state(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every rank's state put together: the replicated parameters from rank 0, each expert from its rank."""
+    full = dict(states[0])
+    for s in states[1:]:
+        full.update({k: v for k, v in s.items() if ".experts." in k})
+    return full

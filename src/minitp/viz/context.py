@@ -1,0 +1,129 @@
+"""Figures of context parallel (ring attention), drawn from the layout and from what the ranks recorded.
+
+* ``attention_work``: the S x S score matrix of causal attention, each (query, key) square coloured by
+  the rank that computes it (blank above the diagonal: masked, never computed); beside it the
+  positions each rank holds. Contiguous slices vs balanced chunks, side by side, show the uneven load.
+* ``ring_steps``: one lane per rank, one box per ring step (whose keys and values the rank computed
+  with, and for how long), each block sent as an arrow to the rank that received it, from the trace.
+* ``rank_times``: measured compute time per rank, one group of bars per layout.
+
+They read traces, ``minitp.layout`` and numbers; they never run anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.patches import FancyBboxPatch
+
+from minitp.layout import cp_chunks
+from minitp.units import format_bytes
+from minitp.viz import style
+
+
+def _owner_grid(seq_len: int, cp: int, balanced: bool, causal: bool = True) -> np.ndarray:
+    """(S, S): the rank that computes each (query, key) pair, -1 where the mask leaves nothing."""
+    grid = np.full((seq_len, seq_len), -1)
+    for rank in range(cp):
+        for chunk in cp_chunks(seq_len, cp, rank, balanced):
+            grid[chunk.start:chunk.stop, :] = rank
+    if causal:
+        grid[np.triu_indices(seq_len, 1)] = -1
+    return grid
+
+
+def attention_work(seq_len: int, cp: int, layouts=(False, True), causal: bool = True):
+    """The causal score matrix per layout, each square coloured by the rank that computes it, with the
+    count of (query, key) pairs each rank computes in the title."""
+    from matplotlib.colors import ListedColormap
+
+    fig = style.figure(4.2 * len(layouts), 4.2)
+    axes = fig.subplots(1, len(layouts), squeeze=False)[0]
+    cmap = ListedColormap(["#FFFFFF"] + [style.rank_color(r) for r in range(cp)])
+    for ax, balanced in zip(axes, layouts):
+        grid = _owner_grid(seq_len, cp, balanced, causal)
+        ax.imshow(grid + 1, cmap=cmap, vmin=0, vmax=cp, interpolation="nearest", gid=f"work:{int(balanced)}")
+        counts = [int((grid == r).sum()) for r in range(cp)]
+        name = "balanced: chunks i and 2n-1-i" if balanced else "contiguous slices"
+        ax.set_title(f"{name}\npairs per rank: {counts}", fontsize=9)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+        for rank in range(cp):
+            ax.plot([], [], "s", color=style.rank_color(rank), label=f"rank {rank}")
+    axes[-1].legend(loc="upper right", fontsize=8, frameon=True)
+    return fig
+
+
+def _step_of(label: str) -> int | None:
+    """The ring step a label names ("cp/ring/forward/step2" -> 2), None for other labels."""
+    tail = label.rsplit("/", 1)[-1]
+    return int(tail[4:]) if tail.startswith("step") and tail[4:].isdigit() else None
+
+
+def ring_steps(run, prefix: str = "cp/ring/forward", title: str = ""):
+    """The ring as it ran, step by step: one lane per rank, one box per step holding the key/value
+    block the rank computed with (coloured by the rank it came from, found by following the recorded
+    sends back to step 0, with its compute time), and an arrow for each block sent (with its bytes)."""
+    traces = sorted((t for t in getattr(run, "traces", run) if t is not None), key=lambda t: t.rank)
+    computes, sends = {}, {}
+    for t in traces:
+        for e in t.events:
+            if not e.label.startswith(prefix) or _step_of(e.label) is None:
+                continue
+            if e.kind == "compute":
+                computes[t.rank, _step_of(e.label)] = e.end - e.start
+            elif e.op == "send":
+                sends[t.rank, _step_of(e.label)] = e
+    if not computes:
+        raise ValueError(f"no compute labelled {prefix!r}... in the trace: was ring attention run under it?")
+    ranks = [t.rank for t in traces]
+    steps = 1 + max(s for _, s in computes)
+    origin = {(r, 0): r for r in ranks}  # whose block each rank holds at each step, from the sends
+    for s in range(steps - 1):
+        for (r, step), e in sends.items():
+            if step == s and (r, s) in origin:
+                origin[e.peer, s + 1] = origin[r, s]
+    fig = style.figure(1.9 * steps + 1.5, 0.85 * len(ranks) + 1.0)
+    ax = fig.add_subplot()
+    lane = {r: len(ranks) - 1 - i for i, r in enumerate(ranks)}
+    for (r, s), seconds in computes.items():
+        src = origin.get((r, s))
+        ax.add_patch(FancyBboxPatch(
+            (s - 0.32, lane[r] - 0.28), 0.64, 0.56, boxstyle="round,pad=0.02", gid=f"step:{r}:{s}",
+            facecolor=style.rank_color(src if src is not None else r), alpha=0.85, edgecolor="none"))
+        what = f"K,V of {src}" if src is not None else "K,V"
+        ax.text(s, lane[r] + 0.07, what, ha="center", va="center", fontsize=8, color="white", weight="bold")
+        ax.text(s, lane[r] - 0.15, f"{seconds * 1e3:.1f} ms", ha="center", va="center", fontsize=7, color="white")
+    for (r, s), e in sends.items():
+        if e.peer in lane:
+            ax.annotate("", xy=(s + 1 - 0.33, lane[e.peer]), xytext=(s + 0.33, lane[r]),
+                        arrowprops=dict(arrowstyle="->", color=style.OP_COLORS["send"], lw=1.3), gid=f"send:{r}:{s}")
+            ax.text(s + 0.5, (lane[r] + lane[e.peer]) / 2 + 0.12, format_bytes(e.bytes), fontsize=7,
+                    ha="center", color=style.OP_COLORS["send"])
+    ax.set_xlim(-0.6, steps - 0.4)
+    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    ax.set_xticks(range(steps), [f"step {s}" for s in range(steps)])
+    ax.set_yticks([lane[r] for r in ranks], [f"rank {r}" for r in ranks])
+    ax.set_title(title or "the ring: each step computes with the block held while it travels on", fontsize=10)
+    return fig
+
+
+def rank_times(times: dict[str, list[float]], title: str = "attention compute time per rank"):
+    """Bars of measured seconds per rank, one group per layout ({"contiguous": [...], "balanced": [...]})."""
+    fig = style.figure(6, 2.8)
+    ax = fig.add_subplot()
+    names = list(times)
+    n = max(len(v) for v in times.values())
+    width = 0.8 / n
+    for rank in range(n):
+        ax.bar([i + (rank - (n - 1) / 2) * width for i in range(len(names))],
+               [times[name][rank] * 1e3 for name in names], width, color=style.rank_color(rank),
+               label=f"rank {rank}", gid=f"time:{rank}")
+    ax.set_xticks(range(len(names)), [f"{name}\nmax/min = {max(times[name]) / min(times[name]):.2f}"
+                                      for name in names])
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+__all__ = ["attention_work", "ring_steps", "rank_times"]

@@ -1,0 +1,69 @@
+"""Activation memory measured with saved-tensor hooks, block by block, next to the formulas."""
+
+import pytest
+import torch
+
+from minitp import activations, cost
+from minitp import tp as tensor_parallel
+from minitp.launch import launch
+from minitp.models import TINY, build_model
+
+B, S = 2, 16
+
+
+@pytest.mark.parametrize("tp, sequence_parallel, recompute", [
+    (1, False, False), (2, False, False), (2, True, False), (2, False, True), (2, True, True), (4, True, False),
+])
+def test_what_each_block_saves_on_each_rank_is_the_tiny_formula(tp, sequence_parallel, recompute):
+    measured = activations.measure(tp, sequence_parallel, recompute, batch=B, seq=S)
+    formula = cost.tiny_block_activation_bytes(TINY, B, S, tp, sequence_parallel, recompute)
+    assert measured == [[formula] * TINY.n_layers] * tp
+
+
+def test_tensor_and_sequence_parallel_and_recomputation_each_shrink_what_a_block_keeps():
+    keep = {args: cost.tiny_block_activation_bytes(TINY, B, S, *args)
+            for args in [(1, False, False), (2, False, False), (2, True, False), (2, True, True)]}
+    assert keep[(1, False, False)] > keep[(2, False, False)] > keep[(2, True, False)] > keep[(2, True, True)]
+    assert keep[(2, True, True)] == B * S * TINY.dim * 4 // 2  # the block's input, its S/tp positions
+
+
+def test_a_tensor_saved_twice_counts_once_and_parameters_not_at_all():
+    model = build_model(TINY)
+    x = torch.randn(B, S, TINY.dim, requires_grad=True)
+    with activations.SavedTensors(model) as saved:
+        y = model.layers[0].feed_forward.w1(x)  # saves x (and its weight, a parameter)
+        (y * y).sum()  # saves y twice
+    assert saved.bytes == x.numel() * 4 + y.numel() * 4
+
+
+def _recomputed_step(sequence_parallel):
+    torch.set_num_threads(1)
+    model = tensor_parallel.parallelize(build_model(TINY, seed=0), torch.distributed.group.WORLD, sequence_parallel)
+    block = activations.recomputed(model.layers[0])
+    x = torch.randn(B, S // (2 if sequence_parallel else 1), TINY.dim, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    cos, sin = model.rope_cos[:S], model.rope_sin[:S]
+    block(x, cos, sin).sum().backward()
+    return {name: p.grad.clone() for name, p in block.named_parameters()}, x.grad.clone()
+
+
+def _plain_step(sequence_parallel):
+    torch.set_num_threads(1)
+    model = tensor_parallel.parallelize(build_model(TINY, seed=0), torch.distributed.group.WORLD, sequence_parallel)
+    block = model.layers[0]
+    x = torch.randn(B, S // (2 if sequence_parallel else 1), TINY.dim, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    block(x, model.rope_cos[:S], model.rope_sin[:S]).sum().backward()
+    return {name: p.grad.clone() for name, p in block.named_parameters()}, x.grad.clone()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_recomputation_gives_the_same_gradients_and_sends_forwards_collectives_again(sequence_parallel):
+    again = launch(_recomputed_step, 2, sequence_parallel, echo=False)
+    plain = launch(_plain_step, 2, sequence_parallel, echo=False)
+    for (g1, x1), (g2, x2) in zip(again, plain):
+        assert torch.allclose(x1, x2, atol=1e-6) and all(torch.allclose(g1[k], g2[k], atol=1e-6) for k in g1)
+    sent = again.sent_bytes()
+    want = cost.tp_block_bytes(B, S, TINY.dim, 2, sequence_parallel, 4, recompute=True)
+    assert sent == [pytest.approx(want)] * 2  # 6 all-reduces (or RS+AG pairs) of B·S·D instead of 4
+    assert plain.sent_bytes() == [pytest.approx(cost.tp_block_bytes(B, S, TINY.dim, 2, sequence_parallel, 4))] * 2

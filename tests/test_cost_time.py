@@ -1,0 +1,212 @@
+"""minitp.cost's time model: FLOPs, α–β collectives, overlap, step time and MFU; recomputation's traffic."""
+
+import json
+
+import pytest
+
+from minitp import cost, plan
+from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY, TrainConfig
+
+MIB, GIB = 2**20, 2**30
+LINK = cost.Link("test", alpha_s=1e-6, bytes_per_s=1e3)
+CPU = cost.Device("fixture", flops_per_s=1e9, intra=LINK, inter=cost.Link("slow", 1e-5, 1e2), gpus_per_node=4)
+
+
+def test_a_ring_collective_takes_its_steps_of_alpha_and_its_bytes_over_beta():
+    # all-reduce of 1000 bytes on 4 ranks: 2·3 steps of α, and 2·3/4·1000 = 1500 bytes sent at 1000 B/s
+    assert cost.collective_time("all_reduce", 1000, 4, LINK) == pytest.approx(6e-6 + 1.5)
+    assert cost.collective_time("all_gather", 1000, 4, LINK) == pytest.approx(3e-6 + 0.75)
+    assert cost.collective_time("send", 1000, 2, LINK) == pytest.approx(1e-6 + 1.0)
+    assert cost.collective_time("all_reduce", 1000, 1, LINK) == 0.0
+    with pytest.raises(ValueError, match="unknown collective 'gather'"):
+        cost.collective_time("gather", 10, 2, LINK)
+
+
+def test_training_costs_six_flops_per_parameter_and_token_plus_attention():
+    psi = LLAMA3_8B.num_params()
+    assert cost.training_flops_per_token(LLAMA3_8B, 8192) == 6 * psi + 12 * 32 * 4096 * 8192
+    # attention is a fifth of the work at 8192 tokens for 8B: why long sequences cost more than 6Ψ says
+    share = 12 * 32 * 4096 * 8192 / cost.training_flops_per_token(LLAMA3_8B, 8192)
+    assert share == pytest.approx(0.211, abs=1e-3)
+
+
+def test_full_recomputation_adds_a_forward_and_selective_only_attentions_scores():
+    full = cost.recompute_flops_per_token(TINY, 16, "full")
+    selective = cost.recompute_flops_per_token(TINY, 16, "selective")
+    assert cost.recompute_flops_per_token(TINY, 16, False) == 0.0
+    assert selective == 4 * TINY.n_layers * TINY.dim * 16 < full
+    with pytest.raises(ValueError, match="recompute must be 'none', 'selective' or 'full', got 'some'"):
+        cost.recompute_mode("some")
+
+
+def test_one_device_computing_alone_reaches_its_efficiency_as_mfu():
+    t = cost.step_time(TINY, 8, 16, device=cost.H100)
+    assert t.tp_s == t.pp_s == t.dp_s == t.bubble_s == 0.0
+    assert t.step_s == pytest.approx(t.compute_s)
+    assert t.mfu == pytest.approx(cost.H100.efficiency)
+
+
+def test_ddp_all_reduce_hides_behind_backward_and_tensor_parallel_never_does():
+    hidden = cost.step_time(TINY, 8, 16, dp=2, device=CPU)
+    exposed = cost.step_time(TINY, 8, 16, dp=2, device=CPU, overlap=False)
+    assert hidden.dp_exposed_s == pytest.approx(max(0.0, hidden.dp_s - 2 / 3 * hidden.compute_s))
+    assert exposed.dp_exposed_s == exposed.dp_s and exposed.step_s > hidden.step_s
+    tp = cost.step_time(TINY, 8, 16, tp=2, device=CPU)
+    assert tp.step_s == pytest.approx(tp.compute_s + tp.tp_s)  # all of g and f on the critical path
+
+
+def test_the_pipeline_bubble_is_the_compute_times_p_minus_1_over_m():
+    t = cost.step_time(TINY, 8, 16, pp=4, microbatches=8, device=CPU)
+    assert t.bubble_s == pytest.approx(t.compute_s * 3 / 8)
+
+
+def test_tp_stays_on_the_fast_link_and_dp_crosses_machines_once_the_layout_spans_them():
+    links = cost.links_of_layout(dp=2, pp=2, tp=2, device=CPU)  # 4 GPUs per machine, 8 ranks
+    assert links["tp"] is CPU.intra and links["pp"] is CPU.intra and links["dp"] is CPU.inter
+
+
+def test_full_recomputation_repeats_forwards_two_all_reduces_per_block():
+    plain = cost.tp_block_bytes(2, 16, 64, 2)
+    assert cost.tp_block_bytes(2, 16, 64, 2, recompute=True) == pytest.approx(1.5 * plain)  # 6 instead of 4
+    assert cost.tp_block_bytes(2, 16, 64, 2, recompute="selective") == plain  # no extra messages
+    sp = cost.tp_block_bytes(2, 16, 64, 2, sequence_parallel=True)
+    assert cost.tp_block_bytes(2, 16, 64, 2, True, recompute="full") == pytest.approx(
+        sp + cost.tp_region_bytes(2, 16, 64, 2, True))
+
+
+def test_llama3_70b_tensor_parallel_bytes_grow_from_567_to_847_gib_with_full_recomputation():
+    none = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192)["bytes_per_step"]["tp"]
+    full = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, recompute=True)["bytes_per_step"]["tp"]
+    assert none / MIB == pytest.approx(580_614, abs=1)  # about 567 GiB
+    assert full / GIB == pytest.approx(847.0, abs=0.1)  # "about 850": the blocks, not the embedding, again
+    assert full - none == pytest.approx(20 * 32 * cost.collective_sent_bytes("all_reduce", 2 * 8192 * 8192 * 2, 8))
+
+
+def test_llama3_70b_fits_64_gpus_of_80_gib_with_sequence_parallel_and_no_recomputation():
+    row = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
+    assert row["memory_total"] / GIB == pytest.approx(42.4, abs=0.1)  # about 21 GiB states + 21 activations
+    rows = plan.plan(LLAMA3_70B, 64, 80, sequence_parallel=True)
+    assert rows and all(r["fits"] and r["recompute"] == "none" for r in rows)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)  # fastest first
+    assert all(0 < r["mfu"] < cost.H100.efficiency for r in rows)
+    assert plan.plan(LLAMA3_70B, 64, 80) == []  # without it, nothing fits (chapter 06)
+
+
+def test_korthikanti_activations_per_block():
+    s, b, d, h = 8192, 1, 8192, 64
+    assert cost.block_activation_bytes(LLAMA3_70B, b, s, 8) == s * b * d * (10 + 24 / 8)
+    assert cost.block_activation_bytes(LLAMA3_70B, b, s, 8, sequence_parallel=True) == s * b * d * 34 / 8
+    assert cost.block_activation_bytes(LLAMA3_70B, b, s, 8, flash_attention=False) == pytest.approx(
+        s * b * d * (10 + 24 / 8) + 5 * h * s * s * b / 8)
+    assert cost.block_activation_bytes(LLAMA3_70B, b, s, 8, flash_attention=False, recompute="selective") == \
+        s * b * d * (10 + 24 / 8)
+    assert cost.block_activation_bytes(LLAMA3_70B, b, s, 8, recompute="full") == 2 * s * b * d
+    assert cost.block_activation_bytes(LLAMA3_70B, b, s, 8, True, recompute="full") == 2 * s * b * d / 8
+
+
+# -- this machine: a fixture calibration, never the stored one -----------------------------------------
+FIXTURE = {"name": "fixture", "flops_per_s": 5e10, "alpha_s": 5e-5, "bytes_per_s": 1e9, "cores": 2,
+           "step_overhead_s": 0.01}
+
+
+@pytest.fixture
+def calibration(tmp_path, monkeypatch):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(FIXTURE))
+    monkeypatch.setenv("MINITP_CALIBRATION", str(path))
+    return path
+
+
+def test_this_machine_is_read_from_the_calibration_the_environment_names(calibration):
+    device = cost.this_machine()
+    assert device.flops_per_s == 5e10 and device.intra.alpha_s == 5e-5 and device.inter.bytes_per_s == 1e9
+    assert cost.calibration_path() == str(calibration)
+
+
+def test_no_or_broken_calibration_reads_as_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "absent.json"))
+    assert cost.this_machine() is None
+    (tmp_path / "bad.json").write_text('{"flops_per_s": "fast"}')
+    assert cost.load_calibration(str(tmp_path / "bad.json")) is None
+
+
+def test_ranks_beyond_the_cores_share_them(calibration):
+    device = cost.this_machine()
+    assert cost.compute_time(1e9, device, ranks_on_machine=4) == pytest.approx(2 * cost.compute_time(1e9, device))
+
+
+def test_a_run_report_carries_the_predicted_step_from_the_calibration(calibration, monkeypatch):
+    from minitp.runs.common import predicted_step_s
+
+    train = TrainConfig(steps=2, batch_size=8, seq_len=16)
+    predicted, note = predicted_step_s("ddp", {"dp": 2, "tp": 1, "pp": 1}, TINY, train, {"num_buckets": 3})
+    want = cost.step_time(TINY, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", buckets=3).step_s
+    assert note is None and predicted == pytest.approx(want)
+    assert predicted_step_s("swiglu", {"dp": 1, "tp": 2, "pp": 1}, TINY, train, {})[0] is None
+    monkeypatch.setenv("MINITP_CALIBRATION", "/nonexistent/calibration.json")
+    predicted, note = predicted_step_s("ddp", {"dp": 2, "tp": 1, "pp": 1}, TINY, train, {})
+    assert predicted is None and "minitp calibrate" in note
+
+
+# -- numbers the chapters state ------------------------------------------------------------------------
+def test_llama3_8b_grouped_query_attention_shapes_and_kv_cache():
+    assert cost.attention_weight_shapes(LLAMA3_8B) == {"wq": (4096, 4096), "wk": (4096, 1024),
+                                                       "wv": (4096, 1024), "wo": (4096, 4096)}
+    assert cost.attention_weight_shapes(LLAMA3_8B, 8)["wk"] == (4096, 128)  # one KV head per rank
+    with pytest.raises(ValueError, match="n_kv_heads=8 is not divisible by tp=16"):
+        cost.attention_weight_shapes(LLAMA3_8B, 16)
+    assert cost.kv_cache_bytes(LLAMA3_8B, 1) == 128 * 2**10  # 128 KiB per token in bf16
+    assert cost.kv_cache_bytes(LLAMA3_8B, 8192) == GIB  # 1 GiB per sequence of 8192
+    assert cost.kv_cache_bytes(LLAMA3_8B.with_(n_kv_heads=None), 8192) == 4 * GIB  # without GQA: 4x
+
+
+def test_chapter_06_llama3_70b_tensor_parallel_sends_71_and_89_times_pipeline_and_data_parallel():
+    b = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192)["bytes_per_step"]
+    assert round(b["tp"] / b["pp"]) == 71 and round(b["tp"] / b["dp"]) == 89
+
+
+def test_chapter_02_zero_1_in_bf16_sends_one_and_a_half_times_a_bf16_ddp_all_reduce():
+    psi = LLAMA3_8B.num_params()
+    ddp_bf16 = cost.ddp_step_bytes(psi, 8, grad_bytes=2)
+    root = 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.dim + LLAMA3_8B.dim
+    units = [root] + [(psi - root) // 32] * 32
+    zero1 = cost.fsdp_step_bytes(units, 8, zero=1, param_bytes=2, reduce_bytes=4)  # fp32 reduce-scatter
+    assert round(ddp_bf16 / 1e9, 1) == 28.1 and round(zero1 / 1e9, 1) == 42.2
+    assert zero1 / ddp_bf16 == pytest.approx(1.5)
+    assert cost.fsdp_step_bytes(units, 8, zero=1, param_bytes=2, reduce_bytes=2) == pytest.approx(ddp_bf16)
+
+
+def test_chapter_02_zero_3_messages_hide_inside_a_machine_and_not_across():
+    import dataclasses
+
+    inside = cost.step_time(LLAMA3_8B, 8, 8192, dp=8, data_parallel="fsdp", zero=3)
+    across = cost.step_time(LLAMA3_8B, 8, 8192, dp=8, data_parallel="fsdp", zero=3,
+                            device=dataclasses.replace(cost.H100, gpus_per_node=1))
+    assert round(inside.compute_s, 2) == 0.84 and round(inside.dp_s, 2) == 0.12 and inside.dp_exposed_s == 0
+    assert round(across.dp_s, 2) == 1.09 and round(across.dp_exposed_s, 2) == 0.25
+
+
+def test_chapter_06_sequence_parallel_against_full_recomputation_at_70b():
+    sp = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
+    full = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, recompute=True)
+    assert (round(sp["step_s"], 1), round(full["step_s"], 1)) == (9.1, 12.2)
+    assert (round(sp["mfu"], 2), round(full["mfu"], 2)) == (0.45, 0.33)
+    assert len(plan.plan(LLAMA3_70B, 64, 80, recompute=True)) == 18
+    assert len(plan.plan(LLAMA3_70B, 64, 80, sequence_parallel=True)) == 6
+
+
+def test_strategies_the_time_model_does_not_cover_say_so(calibration):
+    from minitp.runs.common import predicted_step_s
+
+    train = TrainConfig(steps=2, batch_size=8, seq_len=16)
+    predicted, note = predicted_step_s("cp", {"dp": 1, "tp": 1, "pp": 1, "cp": 2}, TINY, train, {})
+    assert predicted is None and "does not cover cp" in note
+
+
+def test_minitp_run_reports_its_predicted_step_next_to_the_measured_one(calibration):
+    from minitp import runs
+
+    report = runs.run_ddp(nproc=2, steps=2)
+    assert report.predicted_step_s == pytest.approx(cost.step_time(
+        TINY, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", buckets=report["num_buckets"]).step_s)
+    assert "predicted" in report.format() and report.to_dict()["predicted_step_s"] == report.predicted_step_s

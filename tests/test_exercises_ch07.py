@@ -1,0 +1,187 @@
+"""The chapter 07 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import math
+
+import pytest
+import torch
+
+from minitp import comm
+from minitp.exercises import ExerciseError, ch07
+
+
+def stub(*args):
+    raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+# -- balanced chunks ---------------------------------------------------------------------------------
+def chunks_right(seq_len, cp, rank):
+    size = seq_len // (2 * cp)
+    return [range(i * size, (i + 1) * size) for i in (rank, 2 * cp - 1 - rank)]
+
+
+def chunks_contiguous(seq_len, cp, rank):
+    size = seq_len // cp
+    return [range(rank * size, (rank + 1) * size)]
+
+
+def chunks_wrong_mirror(seq_len, cp, rank):
+    size = seq_len // (2 * cp)
+    return [range(i * size, (i + 1) * size) for i in (rank, cp - 1 - rank)]
+
+
+def test_balanced_chunks_accepts_the_answer(capsys):
+    ch07.check_balanced_chunks(chunks_right)
+    assert "[ok] balanced chunks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (chunks_contiguous, "contiguous slice"),
+    (chunks_wrong_mirror, "its partner is chunk"),
+    (stub, "not done yet"),
+])
+def test_balanced_chunks_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch07.check_balanced_chunks(answer)
+
+
+# -- online softmax ----------------------------------------------------------------------------------
+def softmax_right(m, row_sum, acc, scores, v):
+    m_new = torch.maximum(m, scores.amax(-1))
+    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    correction, p = torch.exp(m - safe), torch.exp(scores - safe.unsqueeze(-1))
+    return m_new, row_sum * correction + p.sum(-1), acc * correction.unsqueeze(-1) + p @ v
+
+
+def softmax_no_max(m, row_sum, acc, scores, v):
+    p = torch.exp(scores)
+    return torch.maximum(m, scores.amax(-1)), row_sum + p.sum(-1), acc + p @ v
+
+
+def softmax_forgets_acc(m, row_sum, acc, scores, v):
+    m_new = torch.maximum(m, scores.amax(-1))
+    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    correction, p = torch.exp(m - safe), torch.exp(scores - safe.unsqueeze(-1))
+    return m_new, row_sum * correction + p.sum(-1), acc + p @ v  # acc not rescaled
+
+
+def softmax_replaces(m, row_sum, acc, scores, v):
+    m_new = scores.amax(-1)
+    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    p = torch.exp(scores - safe.unsqueeze(-1))
+    return m_new, p.sum(-1), p @ v
+
+
+def test_online_softmax_accepts_the_answer(capsys):
+    ch07.check_online_softmax(softmax_right)
+    assert "[ok] online softmax" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (softmax_no_max, "inf or nan"),
+    (softmax_forgets_acc, "multiply row_sum AND acc"),
+    (softmax_replaces, "only the last block counts"),
+    (stub, "not done yet"),
+])
+def test_online_softmax_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch07.check_online_softmax(answer)
+
+
+# -- the ring ----------------------------------------------------------------------------------------
+def _ring(q, k, v, group, to_next=True, steps=None):
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    ranks = comm.group_ranks(group)
+    peer_out, peer_in = (ranks[(rank + 1) % n], ranks[(rank - 1) % n]) if to_next else \
+        (ranks[(rank - 1) % n], ranks[(rank + 1) % n])
+    m = torch.full(q.shape[:-1], float("-inf"))
+    row_sum, acc = torch.zeros(q.shape[:-1]), torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    for step in range(n if steps is None else steps):
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            handles = [comm.isend(kv, peer_out, group), comm.irecv(incoming, peer_in, group)]
+        scores = q @ kv[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        m, row_sum, acc = softmax_right(m, row_sum, acc, scores, kv[1])
+        if step < n - 1:
+            for h in handles:
+                h.wait()
+            kv = incoming
+    return acc / row_sum.unsqueeze(-1)
+
+
+def ring_right(q, k, v, group):
+    return _ring(q, k, v, group)
+
+
+def ring_backwards(q, k, v, group):
+    return _ring(q, k, v, group, to_next=False)
+
+
+def ring_own_only(q, k, v, group):
+    return _ring(q, k, v, group, steps=1)
+
+
+def ring_averages_blocks(q, k, v, group):
+    """Each block's softmax on its own, averaged: the blocks' normalisers never meet."""
+    n, rank, ranks = comm.group_size(group), comm.group_rank(group), comm.group_ranks(group)
+    kv, total = torch.stack([k, v]), 0
+    for step in range(n):
+        if step < n - 1:
+            incoming = torch.empty_like(kv)
+            handles = [comm.isend(kv, ranks[(rank + 1) % n], group), comm.irecv(incoming, ranks[(rank - 1) % n], group)]
+        total = total + torch.softmax(q @ kv[0].transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ kv[1]
+        if step < n - 1:
+            for h in handles:
+                h.wait()
+            kv = incoming
+    return total / n
+
+
+def test_ring_attention_accepts_the_answer(capsys):
+    ch07.check_ring_attention(ring_right)
+    assert "[ok] ring attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (ring_backwards, "sends to the next one|every rank sends to the next"),
+    (ring_own_only, "attended to its own keys only"),
+    (ring_averages_blocks, "differs from one process"),
+    (stub, "not done yet"),
+])
+def test_ring_attention_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch07.check_ring_attention(answer, nprocs=(4,) if answer is ring_backwards else (2,))
+
+
+# -- the bytes ---------------------------------------------------------------------------------------
+def bytes_right(batch, seq, kv_heads, head_dim, cp, dtype_bytes):
+    kv = batch * kv_heads * seq / cp * head_dim * dtype_bytes
+    return (cp - 1) * 2 * kv + (cp - 1) * 2 * kv + cp * 2 * kv
+
+
+def bytes_forward_only(batch, seq, kv_heads, head_dim, cp, dtype_bytes):
+    return (cp - 1) * 2 * batch * kv_heads * seq / cp * head_dim * dtype_bytes
+
+
+def bytes_no_home_hop(batch, seq, kv_heads, head_dim, cp, dtype_bytes):
+    return 3 * bytes_forward_only(batch, seq, kv_heads, head_dim, cp, dtype_bytes)
+
+
+def bytes_whole_sequence(batch, seq, kv_heads, head_dim, cp, dtype_bytes):
+    return bytes_right(batch, seq * cp, kv_heads, head_dim, cp, dtype_bytes)
+
+
+def test_ring_bytes_accepts_the_answer(capsys):
+    ch07.check_ring_bytes(bytes_right)
+    assert "[ok] ring bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (bytes_forward_only, "forward alone"),
+    (bytes_no_home_hop, "cp hops, not cp-1"),
+    (bytes_whole_sequence, "S/cp positions"),
+    (stub, "not done yet"),
+])
+def test_ring_bytes_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch07.check_ring_bytes(answer)
