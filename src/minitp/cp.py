@@ -146,7 +146,7 @@ def block_attention_forward(q, k, v, q_chunks, k_chunks, causal, state):
     return m, row_sum, acc
 
 
-def block_attention_backward(q, k, v, out, lse, grad_out, delta, q_chunks, k_chunks, causal):
+def block_attention_backward(q, k, v, lse, grad_out, delta, q_chunks, k_chunks, causal):
     """Gradients of one key block: (dq, dk, dv) with dq (B, H, Sq, Dh) and dk, dv (B, H, Sk, Dh).
     lse: (B, H, Sq) log-sum-exp of every score of each row; delta = rowsum(grad_out · out)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -222,7 +222,7 @@ class RingAttention(torch.autograd.Function):
                 incoming, handles = _exchange(kv, group, f"{label}/backward/step{step}")
             with _trace.span("attention", f"{label}/backward/step{step}"):
                 dq_s, dk_s, dv_s = block_attention_backward(
-                    q, _expand(kv[0], groups), _expand(kv[1], groups), out, lse, grad_out, delta,
+                    q, _expand(kv[0], groups), _expand(kv[1], groups), lse, grad_out, delta,
                     chunks[rank], chunks[source], causal)
             dq += dq_s
             dkv = dkv + torch.stack([_fold(dk_s, groups), _fold(dv_s, groups)])

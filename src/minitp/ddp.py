@@ -175,8 +175,10 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
             bucket.handle.wait()
+            # one look at the whole bucket first: without a single -0.0 in it every parameter was used
+            maybe_unused = bool(((bucket.buffer == 0) & bucket.buffer.signbit()).any())
             for p, averaged in zip(bucket.params, self._views(bucket)):
-                if used_by_no_rank(averaged):  # the same verdict on every rank: they hold the same sum
+                if maybe_unused and used_by_no_rank(averaged):  # the same verdict on every rank: same sum
                     p.grad = None
                 else:  # (used here: already the view; used only elsewhere: becomes it)
                     p.grad = averaged

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minitp import comm
-from minitp.models.moe import MoEFeedForward, Routing, combine, load_balancing_loss, moe_layers, route
+from minitp.models.moe import MoEFeedForward, Routing, combine, moe_layers
 
 
 class _AllToAll(torch.autograd.Function):
@@ -76,6 +76,8 @@ class ExpertParallelFeedForward(nn.Module):
     """A ``MoEFeedForward`` whose experts are split over ``group``: this rank keeps the router and its
     E/n experts (under their own names, ``experts.5.w1``...), and swaps tokens with the others."""
 
+    route = MoEFeedForward.route  # the one-process routing, borrowed: the same tokens dropped, the same loss
+
     def __init__(self, moe: MoEFeedForward, group=None, name: str = "moe"):
         super().__init__()
         self.config, self.top_k, self.group, self.name = moe.config, moe.top_k, group, name
@@ -88,22 +90,17 @@ class ExpertParallelFeedForward(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.history: list[torch.Tensor] = []  # kept assignments per expert, this rank's tokens
         self.routed: list[torch.Tensor] = []  # the same before capacity
-        self.received: list[torch.Tensor] = []  # (n, E/n) rows received from each rank per local expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         n, k, per = self.world_size, self.top_k, self.n_experts // self.world_size
-        routing = route(self.router(x), k, self.config.capacity(S))
-        self.routing, self.aux_loss = routing, load_balancing_loss(routing)
+        routing = self.route(x)  # remembers the routing, the auxiliary loss and the load, as on one process
         order, counts = dispatch_order(routing)  # (A,), (E,)
-        self.history.append(counts)
-        self.routed.append(routing.routed_per_expert())
 
         # dispatch: first the counts (rank j gets this rank's counts for its experts), then the rows
         incoming = torch.empty_like(counts)  # (E,) as (n, E/n): from rank i, rows for each local expert
         comm.all_to_all(incoming, counts, group=self.group, label=f"{self.name}/dispatch.counts")
         incoming = incoming.view(n, per)
-        self.received.append(incoming)
         send_splits = counts.view(n, per).sum(1).tolist()  # rows to each rank
         recv_splits = incoming.sum(1).tolist()  # rows from each rank
         rows = x.reshape(B * S, D)[order // k]  # (A, D) the token of each assignment, grouped by expert

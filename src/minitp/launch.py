@@ -121,7 +121,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
         raise ValueError(f"echo must be True or False, got {echo!r}")
     check_launch(nprocs, backend=backend, timeout=timeout, start_method=start_method, max_procs=max_procs)
     if under_torchrun():
-        return _launch_in_place(fn, nprocs, args, backend, timeout)
+        return _launch_in_place(fn, args, backend, timeout)
     if guard.WORKER_ENV in os.environ:
         raise LaunchError("launch() was called inside a launched rank; launch from the parent process")
     import multiprocessing as mp
@@ -413,7 +413,7 @@ class _Ran:
     trace: _trace.Trace
 
 
-def _launch_in_place(fn, nprocs, args, backend: str, timeout: float) -> Results:
+def _launch_in_place(fn, args, backend: str, timeout: float) -> Results:
     """Run ``fn`` in this process, one rank of torchrun's world; nobody above us enforces the timeout,
     so a watchdog thread does."""
     import torch

@@ -28,7 +28,6 @@ hidden behind the transfers of the others.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -56,13 +55,11 @@ def _step(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group, 
     handle.wait()
 
 
-def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None, label: str = "ring",
-                         on_step: Callable[[dict], None] | None = None) -> int:
+def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None, label: str = "ring") -> int:
     """Sum ``chunks`` (n views of one buffer) over the group in place, the ring way.
 
     Returns the index of the chunk this rank ends up holding complete: (r+1) mod n. The other
-    chunks hold partial sums afterwards. ``on_step`` is called after each step with a dict saying
-    what moved (phase, step, chunk sent, chunk received, to, from).
+    chunks hold partial sums afterwards.
     """
     n, r, right, left = _neighbours(group)
     for step in range(n - 1):
@@ -70,27 +67,16 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None, label: str = "r
         incoming = torch.empty_like(chunks[recv_i])
         _step(chunks[send_i], incoming, right, left, group, f"{label}/reduce_scatter/step{step}")
         chunks[recv_i] += incoming  # add what the left neighbour has summed so far
-        if on_step is not None:
-            on_step({"phase": "reduce_scatter", "step": step, "sent": send_i, "received": recv_i,
-                     "to": right, "from": left})
     return (r + 1) % n
 
 
-def ring_all_gather_(chunks: list[torch.Tensor], group=None, label: str = "ring",
-                     on_step: Callable[[dict], None] | None = None, first: int | None = None) -> None:
-    """Fill ``chunks`` (n views of one buffer) on every rank, the ring way, in place.
-
-    ``first`` is the chunk this rank holds complete at the start: r for a plain all-gather,
-    (r+1) mod n right after a ring reduce-scatter.
-    """
+def ring_all_gather_(chunks: list[torch.Tensor], group=None, label: str = "ring") -> None:
+    """Fill ``chunks`` (n views of one buffer) on every rank, the ring way, in place: this rank
+    starts with chunk r complete."""
     n, r, right, left = _neighbours(group)
-    first = r if first is None else first
     for step in range(n - 1):
-        send_i, recv_i = (first - step) % n, (first - step - 1) % n
+        send_i, recv_i = (r - step) % n, (r - step - 1) % n
         _step(chunks[send_i], chunks[recv_i], right, left, group, f"{label}/all_gather/step{step}")
-        if on_step is not None:
-            on_step({"phase": "all_gather", "step": step, "sent": send_i, "received": recv_i,
-                     "to": right, "from": left})
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, label: str = "ring",

@@ -54,7 +54,9 @@ def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int,
     (min(pp - stage, m)). recompute: False / "none", "selective" or True / "full"."""
     per_block = block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
                                        dtype_bytes)
-    in_flight = min(pp - stage, microbatches)
+    from minitp.cost import pp_peak_microbatches_in_flight
+
+    in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")  # min(pp - stage, m)
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
 
 

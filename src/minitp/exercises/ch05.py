@@ -21,28 +21,12 @@ import torch
 
 from minitp import cost, pp, trace
 from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises.ch05_runtime import as_actions, check_pipeline_runtime, check_zero_bubble  # noqa: F401
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
 
 
 # -- exercise 1: the 1F1B order of one stage ---------------------------------------------------------
-def _as_actions(got, name: str) -> list[pp.Action]:
-    if got is None:
-        raise ExerciseError(f"{name}: the function returned None; return a list of (kind, microbatch) pairs "
-                            "such as [('F', 0), ('F', 1), ('B', 0), ...].")
-    out = []
-    for item in got:
-        try:
-            kind, mb = item[:2] if isinstance(item, pp.Action) else item
-        except (TypeError, ValueError):
-            raise ExerciseError(f"{name}: each entry must be a pair (kind, microbatch) like ('F', 3); "
-                                f"got {item!r}.") from None
-        if kind not in ("F", "B"):
-            raise ExerciseError(f"{name}: the kind of an action is 'F' (forward) or 'B' (backward); got {kind!r}.")
-        out.append(pp.Action(kind, int(mb)))
-    return out
-
-
 def _show(actions) -> str:
     return " ".join(f"{a.kind}{a.microbatch}" for a in actions)
 
@@ -67,7 +51,7 @@ def check_one_f_one_b(fn) -> None:
         except NotImplementedError:
             raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
                                 "Replace the stub with your answer and run the check again.") from None
-        got = answers[stage, p, m] = _as_actions(got, name)
+        got = answers[stage, p, m] = as_actions(got, name, "FB")
         want = pp.one_f_one_b(p, m)[stage]
         head = f"{name}, stage {stage} of p={p}, m={m}:\n  expected {_show(want)}\n  got      {_show(got)}\n"
         if sorted(got) != sorted(want):
@@ -99,7 +83,7 @@ def check_one_f_one_b(fn) -> None:
         raise ExerciseError(head + "After the warm-up, alternate one forward and one backward; when the "
                             "forwards run out, drain the remaining backwards.")
     for p, m in ((4, 8), (3, 5)):  # the whole schedule must play without a deadlock
-        schedule = [_as_actions(fn(s, p, m), name) for s in range(p)]
+        schedule = [as_actions(fn(s, p, m), name, "FB") for s in range(p)]
         try:
             timelines = pp.simulate(schedule, 1.0, 2.0)
         except ValueError as err:
@@ -232,6 +216,3 @@ def check_bubble(fn) -> None:
         raise ExerciseError(f"{name}: for p={p}, m={m} you gave {float(got):.4f}, expected {want:.4f}. {hint}")
     passed(name, "(p-1)/(m+p-1): 0.273 at p=4, m=8; 0.179 at p=8, m=32")
 
-
-# -- exercises 4 and 5: the zero-bubble table, a 1F1B runtime (their own file) ------------------------
-from minitp.exercises.ch05_runtime import check_pipeline_runtime, check_zero_bubble  # noqa: E402,F401

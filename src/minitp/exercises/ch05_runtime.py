@@ -25,19 +25,25 @@ def _show(actions) -> str:
 
 
 # -- the zero-bubble table ----------------------------------------------------------------------
-def _as_actions(got, name: str) -> list[pp.Action]:
+_KINDS = {"F": "forward", "B": "backward", "W": "weight gradient"}
+
+
+def as_actions(got, name: str, kinds: str = "FBW") -> list[pp.Action]:
+    """A learner's list of (kind, microbatch) pairs as ``pp.Action``s, or a message saying what is off."""
+    example = ", ".join(f"('{k}', 0)" for k in kinds)
     if got is None:
         raise ExerciseError(f"{name}: the function returned None; return a list of (kind, microbatch) pairs "
-                            "such as [('F', 0), ('B', 0), ('W', 0), ...].")
+                            f"such as [{example}, ...].")
     out = []
     for item in got:
         try:
             kind, mb = item[:2] if isinstance(item, pp.Action) else item
         except (TypeError, ValueError):
-            raise ExerciseError(f"{name}: each entry must be a pair (kind, microbatch) like ('W', 3); "
+            raise ExerciseError(f"{name}: each entry must be a pair (kind, microbatch) like ('{kinds[-1]}', 3); "
                                 f"got {item!r}.") from None
-        if kind not in ("F", "B", "W"):
-            raise ExerciseError(f"{name}: the kind of an action is 'F', 'B' or 'W'; got {kind!r}.")
+        if kind not in kinds:
+            allowed = ", ".join(f"'{k}' ({_KINDS[k]})" for k in kinds)
+            raise ExerciseError(f"{name}: the kind of an action is one of {allowed}; got {kind!r}.")
         out.append(pp.Action(kind, int(mb)))
     return out
 
@@ -52,7 +58,7 @@ def check_zero_bubble(fn) -> None:
         except NotImplementedError:
             raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
                                 "Replace the stub with your answer and run the check again.") from None
-        got, want = _as_actions(got, name), pp.zero_bubble_h1(p, m)[stage]
+        got, want = as_actions(got, name), pp.zero_bubble_h1(p, m)[stage]
         if got == want:
             continue
         head = f"{name}, stage {stage} of p={p}, m={m}:\n  expected {_show(want)}\n  got      {_show(got)}\n"
@@ -82,7 +88,7 @@ def check_zero_bubble(fn) -> None:
                             "The last stages hold back the most W's, so the gradient the others wait for goes "
                             "out sooner.")
     p, m = 4, 8
-    table = [_as_actions(fn(s, p, m), name) for s in range(p)]
+    table = [as_actions(fn(s, p, m), name) for s in range(p)]
     zb = pp.bubble_fraction(pp.simulate(table, 1.0, 2.0))[0]
     one = pp.bubble_fraction(pp.simulate(pp.one_f_one_b(p, m), 1.0, 2.0))[0]
     passed(name, f"p=4, m=8 with F = B = W: bubble {zb:.3f} against 1F1B's {one:.3f}; "

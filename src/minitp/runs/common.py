@@ -37,7 +37,7 @@ def estimate_rank_bytes(cfg, local_batch: int, seq: int, tp: int = 1) -> float:
     """A generous estimate of what one rank needs: the whole model's parameters, gradients and AdamW
     state (16 bytes per parameter in fp32, unsharded: an upper bound for every strategy), the
     activations of its batch (``cost.activation_bytes_per_rank`` in fp32, attention scores stored),
-    the logits with their softmax and gradient, and the batches of every step held up front."""
+    and the logits with their softmax and gradient."""
     acts = cost.activation_bytes_per_rank(cfg, local_batch, seq, tp, 1, 0, 1, dtype_bytes=4,
                                           flash_attention=False)
     logits = 4 * local_batch * seq * cfg.vocab_size * 4
