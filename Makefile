@@ -39,13 +39,14 @@ test-fast: $(STAMP)
 
 # JupyterLab opens at the repository root, its file browser in student/ (the learner's copies, made
 # here when missing; a copy you changed is kept). MINITP_PROGRESS=1: runs of several seconds show a
-# live progress line (never stored: make notebooks and nbval run without it). Root (Docker, cloud
+# live progress line (never stored: make notebooks and nbval run without it). MINITP_LIVE=1: a live
+# control runs only the setting it shows (no website grid, which make notebooks stores). Root (Docker, cloud
 # notebooks) needs --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: $(STAMP)
 	$(BIN)/python -m minitp.exercises.student notebooks student --keep-changed
-	MINITP_PROGRESS=1 $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/student $(ALLOW_ROOT)
+	MINITP_PROGRESS=1 MINITP_LIVE=1 $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/student $(ALLOW_ROOT)
 
 site: $(STAMP)
 	$(BIN)/mkdocs build --strict

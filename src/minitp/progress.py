@@ -11,6 +11,7 @@ rank wrote into the run's folder (``MINITP_PROGRESS_DIR``, set by ``launch`` for
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -19,6 +20,27 @@ ENV = "MINITP_PROGRESS"
 DIR_ENV = "MINITP_PROGRESS_DIR"
 SHOW_AFTER_S = 1.0  # shorter runs show nothing
 EVERY_S = 0.5  # at most two updates a second
+
+
+_sink = None  # while `to(callback)` is active: where the parent's progress lines go
+
+
+@contextlib.contextmanager
+def to(callback):
+    """Send the parent's progress lines to ``callback(text)`` instead of a display or the terminal,
+    and have the ranks report even when ``MINITP_PROGRESS`` is off (a live control's status line)."""
+    global _sink
+    old_sink, old_env = _sink, os.environ.get(ENV)
+    _sink = callback
+    os.environ[ENV] = "1"
+    try:
+        yield
+    finally:
+        _sink = old_sink
+        if old_env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old_env
 
 
 def enabled() -> bool:
@@ -79,7 +101,9 @@ class Line:
             return
         self.shown_at = now
         text = self.text(finished)
-        if _in_notebook():
+        if _sink is not None:
+            _sink(text)
+        elif _in_notebook():
             from IPython.display import display
 
             if self.handle is None:
