@@ -14,7 +14,7 @@ def no_launch(monkeypatch):
     """Fail the test if a run gets as far as starting processes."""
     def refuse(*args, **kwargs):
         raise AssertionError("processes were started for input that should have been refused")
-    for module in ("data_parallel", "tensor_parallel", "pipeline", "threed"):
+    for module in ("data_parallel", "tensor_parallel", "pipeline", "threed", "context_parallel", "expert_parallel"):
         monkeypatch.setattr(f"minitp.runs.{module}.launch", refuse)
 
 
@@ -40,6 +40,8 @@ def no_launch(monkeypatch):
     (["run", "ddp", "--json", "/nonexistent/dir/r.json"], "--json /nonexistent/dir/r.json: the folder "
                                                           "/nonexistent/dir does not exist"),
     (["plan", "--gpus", "0", "--gpu-memory", "80"], "--gpus 0 is not allowed: expected an integer >= 1"),
+    (["run", "ep", "--aux-loss-coef", "-0.1"], "--aux-loss-coef -0.1 is not allowed: expected a finite number >= 0"),
+    (["run", "ep", "--capacity-factor", "0"], "--capacity-factor 0.0 is not allowed: expected a finite number > 0"),
     (["plan", "--gpus", "8", "--gpu-memory", "nan"], "--gpu-memory nan is not allowed: expected a finite number > 0"),
     (["plan", "--gpu-memory", "80"], "--gpus is required"),
     (["plan", "--gpus", "8", "--gpu-memory", "80", "--dim", "0"], "--dim 0 is not allowed: expected an integer >= 1"),
@@ -105,3 +107,12 @@ def test_every_registered_option_is_a_keyword_of_its_runner_with_the_same_defaul
         for option in strategy.all_options():
             assert option.name in signature, (name, option.name)
             assert signature[option.name].default == option.default, (name, option.name)
+
+
+def test_zero_is_allowed_where_it_means_off_and_refused_where_it_means_nothing():
+    ep = {o.name: o for o in registry.STRATEGIES["ep"].options}
+    ep["aux_loss_coef"].check(0.0)  # no load-balancing loss: a setting, not a mistake
+    common_options = {o.name: o for o in registry.COMMON}
+    for name in ("lr", "timeout"):
+        with pytest.raises(registry.OptionError, match="> 0"):
+            common_options[name].check(0.0)

@@ -110,7 +110,7 @@ PLAN_OPTIONS = (
     Option("model", str, "llama3-8b", "preset, or 'custom' with the sizes below",
            choices=("tiny", "llama3-8b", "llama3-70b", "custom")),
     Option("gpus", int, None, "number of GPUs", low=1, optional=True),
-    Option("gpu_memory", float, None, "memory per GPU in GiB", low=0, optional=True),
+    Option("gpu_memory", float, None, "memory per GPU in GiB", above=0, optional=True),
     Option("gpus_per_node", int, 8, "GPUs per machine (tp stays inside one)", low=1),
     Option("batch_size", int, None, "global batch in sequences (default: one per GPU)", low=1, optional=True),
     Option("seq_len", int, None, "tokens per sequence (default: the model's max_seq_len)", low=1, optional=True),

@@ -40,6 +40,7 @@ class Option:
     help: str
     choices: tuple = ()
     low: float | None = None  # smallest allowed value (inclusive)
+    above: float | None = None  # a bound the value must exceed (exclusive): above=0 is "> 0"
     high: float | None = None  # largest allowed value (inclusive)
     optional: bool = False  # None is allowed (meaning: the runner picks)
     negate: bool = False  # a bool that defaults to True, switched off by --no-NAME
@@ -57,7 +58,9 @@ class Option:
         if self.low is not None and self.high is not None:
             return f"{kind} from {self.low:g} to {self.high:g}"
         if self.low is not None:
-            return f"{kind} >= {self.low:g}" if self.type is int or self.low != 0 else f"{kind} > 0"
+            return f"{kind} >= {self.low:g}"
+        if self.above is not None:
+            return f"{kind} > {self.above:g}"
         return kind
 
     def check(self, value: Any) -> None:
@@ -83,7 +86,9 @@ class Option:
             raise bad
         if not math.isfinite(value):
             raise bad
-        if self.low is not None and (value < self.low or (value == 0 and self.low == 0 and self.type is float)):
+        if self.low is not None and value < self.low:
+            raise bad
+        if self.above is not None and value <= self.above:
             raise bad
         if self.high is not None and value > self.high:
             raise bad
@@ -96,10 +101,10 @@ COMMON = (
     Option("model", str, "tiny", "model preset", choices=("tiny", "small")),
     Option("batch_size", int, 8, "global batch size (sequences)", low=1),
     Option("seq_len", int, 16, "tokens per sequence (at most the model's max_seq_len)", low=1),
-    Option("lr", float, 3e-3, "AdamW learning rate", low=0),
+    Option("lr", float, 3e-3, "AdamW learning rate", above=0),
     Option("seed", int, 0, "seed of the model and the data", low=0),
     Option("backend", str, "gloo", "torch.distributed backend", choices=("gloo", "nccl")),
-    Option("timeout", float, 300.0, "seconds before the run is ended", low=0),
+    Option("timeout", float, 300.0, "seconds before the run is ended", above=0),
 )
 
 

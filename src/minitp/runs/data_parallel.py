@@ -43,7 +43,7 @@ def run_ddp(nproc: int = 4, steps: int = 4, bucket_mb: float = 0.25, model: str 
 
 
 register(Strategy("ddp", run_ddp, "data parallel: every rank the whole model, gradients all-reduced in buckets", (
-    Option("bucket_mb", float, 0.25, "DDP bucket size in MiB", low=0),
+    Option("bucket_mb", float, 0.25, "DDP bucket size in MiB", above=0),
 )))
 
 

@@ -89,7 +89,7 @@ register(Strategy("ep", run_ep, "expert parallel: a MoE model's experts over the
     Option("experts", int, 8, "experts per MoE layer (a multiple of nproc)", low=1),
     Option("top_k", int, 2, "experts each token is sent to", low=1),
     Option("capacity_factor", float, 1.25, "an expert takes at most ceil(c·S·k/E) tokens of a sequence; "
-           "experts/top_k or more drops nothing (None from Python: no limit)", low=0, optional=True),
+           "experts/top_k or more drops nothing (None from Python: no limit)", above=0, optional=True),
     Option("aux_loss_coef", float, 0.01, "weight of the load-balancing loss", low=0),
 )))
 
