@@ -78,12 +78,22 @@ def test_the_static_table_and_the_explorer_show_the_same_layouts():
     table = plan.markdown_table(rows)
     assert len(table.splitlines()) == 2 + len(rows)
     assert f"| {rows[0]['dp']} | {rows[0]['pp']} | {rows[0]['tp']} |" in table
-    pytest.importorskip("ipywidgets")
     ui = plan.explorer("llama3-8b", 64, 80)
-    shown = ui.children[-1].value
-    assert "llama3-8b: 8.03 B parameters" in shown
-    ui.children[0].children[0].value = "llama3-70b"  # the table follows the widgets
-    assert "llama3-70b: 70.55 B parameters" in ui.children[-1].value
+    assert "llama3-8b: 8.03 B parameters" in ui.shown
+    assert plan.format_plan(plan.plan(LLAMA3_8B, 64, 80, seq_len=8192, include_unfit=True)).splitlines()[1] in ui.shown
+    assert ui.update(model="llama3-70b", activations="sequence parallel")  # the table follows the controls
+    assert "llama3-70b: 70.55 B parameters" in ui.shown and "; 6 of " in ui.shown  # the 6 of chapter 06
+    assert ui.update(gpus=2) and "; 0 of 3 layouts fit 80 GiB per GPU" in ui.shown  # 70 B on 2 GPUs: none fits
+
+
+def test_the_planner_explorer_stores_a_static_twin_for_the_website(monkeypatch):
+    monkeypatch.delenv("MINITP_LIVE", raising=False)
+    ui = plan.explorer("llama3-70b", 64, 80)
+    assert [(s["data_parallel"], s["activations"]) for s in ui.grid()] == [
+        (dp, a) for dp in ("fsdp", "ddp") for a in plan.ACTIVATIONS]
+    twin = ui.build_static()
+    assert twin.count('class="mx-panel ') == 6 and "full recomputation" in twin
+    assert "; 0 of " in twin and "; 18 of " in twin  # replicated norms: nothing fits; recomputation: 18 layouts
 
 
 def test_cli_plan_70b_with_sequence_parallel_lists_layouts_with_step_time_and_mfu(capsys, tmp_path):

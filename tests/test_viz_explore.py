@@ -9,7 +9,7 @@ import pytest
 
 from minitp import launch
 from minitp.viz import style
-from minitp.viz.explore import LIVE_ENV, MAX_STATIC, Control, explore, render
+from minitp.viz.explore import LIVE_ENV, Control, explore, render
 
 
 def _sent_bar(result, setting):
@@ -96,7 +96,7 @@ def test_the_static_twin_has_one_panel_per_setting_each_with_its_own_rule():
     assert [p[1] for p in panels] == ["a = 1, b = x, c = on", "a = 1, b = y, c = on",
                                       "a = 3, b = x, c = on", "a = 3, b = y, c = on"]
     assert "c-0" not in twin  # a control with one stored value gets no buttons
-    for k, (cls, caption) in enumerate(panels):
+    for k, (cls, _caption) in enumerate(panels):
         rule = re.search(rf"(#\S+ [^{{}}]*)~ \.mx-panels \.{cls}\{{display:block\}}", twin).group(1)
         checked = re.findall(r"#(mx[\w-]+)-(a|b)-(\d):checked", rule)
         a, b = settings[k]["a"], settings[k]["b"]

@@ -97,6 +97,15 @@ def test_unit_cycle_shows_two_gathers_per_block_one_for_the_root(run):
     assert ax.get_xlabel() == "time (ms)"
 
 
+def test_a_run_that_keeps_blocks_after_forward_frees_them_at_their_reduce_scatter(run):
+    fig = viz_fsdp.unit_cycle(run, rank=1, label_prefix="ZeRO-3", reshard_after_forward=False)
+    kept = _patches(fig, "held:layers.1:forward")["held:layers.1:forward"]
+    scatter = min(p.get_x() for gid, p in _patches(fig, "reduce_scatter:layers.1:").items())
+    assert kept.get_x() + kept.get_width() == pytest.approx(scatter)
+    resharded = _patches(viz_fsdp.unit_cycle(run, rank=1, label_prefix="ZeRO-3"), "held:layers.1:forward")
+    assert resharded["held:layers.1:forward"].get_width() < kept.get_width()
+
+
 def test_bytes_by_stage_bars_equal_the_trace_and_the_formula(run):
     sent = {name: viz_fsdp.sent_by_op(run, name, rank=0) for name in ("DDP", "ZeRO-3")}
     numels = unit_numels(build_model(TINY), N)

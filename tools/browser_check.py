@@ -2,16 +2,29 @@
 
 For the home page and every chapter page of a built site (``make site``) this
 
-* serves the site over HTTP on 127.0.0.1 (a free port), as a reader's browser would get it;
-* lets Chromium load the page, run its scripts (MathJax) and take a screenshot (1280 x 4000);
-* checks that every figure stored in the chapter's notebook is in the page as a PNG image, that the
-  formulas were typeset by MathJax without errors, and that the screenshot is a real page (many
-  colours, not one flat colour), not an empty or broken one;
-* checks that every exercise's worked answer is folded: one ``<details class="minitp-answer">`` per
-  fold of the chapter's website form (``minitp.exercises.student.website_notebook``), each closed when
-  the page loads (its cells not drawn, no checker verdict "[ok]" in the page's visible text) and open
-  once its summary is clicked; with ``--fold-screenshots`` the first fold, opened, is photographed at
-  1280 and 390 px wide.
+* serves the site over HTTP on 127.0.0.1 (a free port), as a reader's browser would get it, and opens
+  each page in one headless Chromium driven over its DevTools protocol (on a pipe: no extra package),
+  at 1280 px wide, then as a phone 390 px wide;
+* checks that **no request leaves the site**: every request the page makes is seen (the browser
+  reports each one, and anything not on 127.0.0.1 goes to a dead proxy, so nothing really leaves),
+  and the page's HTML and stylesheets are scanned for loads from other hosts that did not happen this
+  time (a loader that only runs on some pages); a file of the site that is missing fails too;
+* checks that every figure stored in the chapter's notebook is in the page and decoded, that the
+  formulas were typeset by MathJax without errors and that **no raw TeX** (``\\_``, ``\\frac``,
+  ``$x$``) is left in the text a reader sees, that **no link** ``href="#x"`` lacks its target, that
+  no output is a stray repr (``<function show_step>``) or empty, and that the screenshot is a real
+  page (many colours, not one flat colour);
+* checks each exercise's worked answer is folded: one ``<details class="minitp-answer">`` per fold of
+  the chapter's website form (``minitp.exercises.student.website_notebook``), closed on load (nothing
+  of it drawn, no checker verdict "[ok]" in the visible text), open once its summary is clicked;
+* checks each **static twin** of a live control (``.minitp-explore``): clicking each value of each
+  control shows another stored panel, with decoded figures or text that differ from the panel before;
+* checks the page at 730 px and on a **phone** (390 px): the page does not scroll sideways as a whole
+  (wide outputs scroll inside themselves), code is at least 12 px, each figure is drawn at least 300 px
+  wide (or as wide as it is) and sits in a box that scrolls if it is wider than the screen, and on the
+  phone the ``In [n]:`` gutter takes at most a tenth of the width;
+* photographs every page at 1280 and 390 px (``NAME.png``, ``NAME-390px.png``), its first figure and
+  first control at both widths; with ``--fold-screenshots`` also its first answer fold, opened.
 
     python tools/browser_check.py site --screenshots build/screenshots --fold-screenshots
 
@@ -21,20 +34,25 @@ exits 1 and says what is wrong when a page fails; ``tests/test_site.py`` runs th
 from __future__ import annotations
 
 import argparse
+import base64
+import fcntl
 import functools
 import http.server
 import json
 import os
 import re
+import select
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urljoin, urlsplit
 
 CHROMIUM_NAMES = ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
 CHROMIUM_FLAGS = [
@@ -44,25 +62,44 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    "--disable-extensions",
     "--no-first-run",
+    "--no-default-browser-check",
     "--hide-scrollbars",
-    # run the page's scripts (MathJax) to the end, on a virtual clock, before the screenshot/DOM
-    "--virtual-time-budget=20000",
+    "--mute-audio",
+    "--disable-crash-reporter",
+    "--disable-breakpad",
+    # nothing but the site itself is reachable: every other host goes to a closed port (the reader's
+    # request is still seen and reported), and no host name resolves
+    "--proxy-server=http://127.0.0.1:9",
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
 PNG_IMG = re.compile(r"<img\b[^>]*\bsrc=\"data:image/png;base64,", re.IGNORECASE)
-MATH_TYPESET = re.compile(r"id=\"MathJax-Element-\d+-Frame\"")
-MATH_ERRORS = ("Math Processing Error", 'class="mjx-merror"', 'class="merror"')
 TEX_MATH = re.compile(r"\$[^$\n]+\$")  # a $...$ or $$...$$ span in notebook Markdown
 MIN_COLOURS = 64  # a rendered page has anti-aliased text and figures: thousands of colours
-WINDOW = (1280, 4000)  # the browser window of every page screenshot
-FOLD_WIDTHS = (1280, 390)  # a desktop and a phone
+DESKTOP = (1280, 2000)  # the browser window of the desktop checks and screenshots
+PHONE = (390, 1600)  # a phone (CSS px; drawn at twice that, as a phone's screen does)
+TABLET = (730, 1000)  # a small tablet, or a narrow window: checked, not photographed
+PAGE_TIMEOUT_S = 60  # loading a page and typesetting its formulas, on a busy machine
+# Loads from another host written in a page's HTML or CSS (not links a reader may follow).
+OUTSIDE_LOADS = [
+    re.compile(r"<(?:script|img|iframe|source|audio|video|embed|track|input)\b[^>]*\bsrc\s*=\s*[\"']?(https?:)?//",
+               re.IGNORECASE),
+    re.compile(r"<link\b(?=[^>]*\brel\s*=\s*[\"']?(?:stylesheet|preconnect|preload|prefetch|modulepreload|"
+               r"dns-prefetch|icon|manifest))[^>]*\bhref\s*=\s*[\"']?(https?:)?//", re.IGNORECASE),
+    re.compile(r"@import\s+(?:url\()?\s*[\"']?(https?:)?//", re.IGNORECASE),
+    re.compile(r"url\(\s*[\"']?(https?:)?//", re.IGNORECASE),
+    re.compile(r"\bimport\(\s*[\"'](https?:)?//", re.IGNORECASE),
+    re.compile(r"(?:\.src|Src|\bfetch\()\s*=?\s*[\"'](https?:)?//"),  # script.src = …, widgetRendererSrc = …
+]
+LOCAL_STYLESHEET = re.compile(r"<link\b[^>]*\brel=\"stylesheet\"[^>]*\bhref=\"([^\"]+)\"", re.IGNORECASE)
 
 
 def find_chromium() -> str | None:
     """The Chromium executable: $MINITP_CHROMIUM, else the first of the usual names on PATH."""
     named = os.environ.get("MINITP_CHROMIUM")
     if named:
-        return named if shutil.which(named) else None
+        return shutil.which(named)
     for name in CHROMIUM_NAMES:
         found = shutil.which(name)
         if found:
@@ -70,69 +107,7 @@ def find_chromium() -> str | None:
     return None
 
 
-PROBE_PATH = "/__minitp_probe__.html"
-# A same-origin page that loads a chapter in a frame of the screenshot's size, lets its scripts run,
-# then (1) looks at the answer folds as a reader finds them (closed, nothing of them drawn, no verdict
-# in the visible text) and clicks each one open, (2) counts the figures the browser actually decoded,
-# and scrolls the first figure (or, with show=fold, the first opened fold) into view: the screenshot
-# of this page shows it however far down the chapter it sits.
-PROBE_HTML = r"""<!doctype html>
-<html><head><meta charset="utf-8"><title>probe</title></head>
-<body style="margin:0">
-<iframe id="page" style="border:0"></iframe>
-<pre id="result">pending</pre>
-<script>
-const query = new URLSearchParams(location.search);
-const frame = document.getElementById("page");
-frame.style.width = (query.get("width") || "1280") + "px";
-frame.style.height = (query.get("height") || "4000") + "px";
-frame.src = query.get("page");
-frame.addEventListener("load", () => setTimeout(() => {
-  const doc = frame.contentDocument;
-  const view = frame.contentWindow;
-  // what a fold takes on the page beyond its summary line (its cells, when they are drawn)
-  const extra = (fold) => fold.getBoundingClientRect().height - fold.querySelector("summary").offsetHeight;
-  const seen = (el) => (el.checkVisibility ? el.checkVisibility() : el.getClientRects().length > 0);
-  const body = (fold) => [...fold.children].filter((el) => el.tagName !== "SUMMARY");
-  const folds = [...doc.querySelectorAll("details.minitp-answer")];
-  const closed = folds.filter((fold) => !fold.open && extra(fold) < 20 && !body(fold).some(seen)).length;
-  const verdictVisible = /\[ok\]/.test(doc.body.innerText);
-  folds.forEach((fold) => fold.querySelector("summary").click());
-  const opened = folds.filter((fold) => fold.open && extra(fold) > 40 && body(fold).some(seen)).length;
-  const images = [...doc.querySelectorAll('img[src^="data:image/png"]')];
-  const decoded = images.filter((img) => img.complete && img.naturalWidth > 0);
-  const target = query.get("show") === "fold" ? folds[0] : images[0];
-  if (target) {  // just below the page's sticky header
-    view.scrollTo(0, target.getBoundingClientRect().top + view.scrollY - 160);
-  }
-  document.getElementById("result").textContent = JSON.stringify({
-    images: images.length,
-    decoded: decoded.length,
-    smallest: decoded.length ? Math.min(...decoded.map((img) => img.width * img.height)) : 0,
-    typeset: doc.querySelectorAll('[id^="MathJax-Element-"][id$="-Frame"]').length,
-    folds: folds.length,
-    closed: closed,
-    opened: opened,
-    verdict_visible: verdictVisible,
-  });
-}, 8000));
-</script>
-</body></html>
-"""
-
-
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def do_GET(self):
-        if self.path.split("?")[0] == PROBE_PATH:
-            body = PROBE_HTML.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        super().do_GET()
-
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         pass
 
@@ -152,16 +127,368 @@ def serve(site_dir: Path) -> Iterator[str]:
         thread.join(timeout=5)
 
 
-def run_chromium(chromium: str, url: str, extra: list[str], timeout: float = 120,
-                 window: tuple[int, int] = WINDOW) -> str:
-    """Run headless Chromium once on ``url`` with a fresh profile; return its standard output."""
-    with tempfile.TemporaryDirectory(prefix="minitp-chromium-") as profile:
-        size = f"--window-size={window[0]},{window[1]}"
-        command = [chromium, *CHROMIUM_FLAGS, size, f"--user-data-dir={profile}", *extra, url]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"chromium exited with {done.returncode} on {url}:\n{done.stderr[-2000:]}")
-    return done.stdout
+class DevTools:
+    """One headless Chromium, driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``:
+    the browser reads JSON messages ending in a NUL byte on its fd 3 and answers on its fd 4)."""
+
+    def __init__(self, chromium: str):
+        self._profile = tempfile.TemporaryDirectory(prefix="minitp-chromium-")
+        to_browser_read, self._to_browser = os.pipe()
+        self._from_browser, from_browser_write = os.pipe()
+        command = [chromium, *CHROMIUM_FLAGS, "--remote-debugging-pipe", f"--user-data-dir={self._profile.name}",
+                   "about:blank"]
+        # posix_spawn puts the pipe's ends on the child's fds 3 and 4 (no preexec_fn: not safe in a
+        # process with threads, and the site's server is one); first above 4, so neither overwrites the other
+        ends = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 5) for fd in (to_browser_read, from_browser_write)]
+        devnull = os.open(os.devnull, os.O_RDWR)
+        actions = [(os.POSIX_SPAWN_DUP2, ends[0], 3), (os.POSIX_SPAWN_DUP2, ends[1], 4),
+                   *[(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]]
+        try:
+            self.pid = os.posix_spawn(chromium, command, dict(os.environ), file_actions=actions)
+        finally:
+            for fd in (to_browser_read, from_browser_write, *ends, devnull):
+                os.close(fd)
+        self._buffer = b""
+        self._next_id = 0
+        self.events: list[dict] = []
+
+    def _read(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._from_browser], [], [], left)[0]:
+                raise TimeoutError("Chromium did not answer in time")
+            chunk = os.read(self._from_browser, 1 << 20)
+            if not chunk:
+                raise RuntimeError("Chromium closed its DevTools pipe (it exited)")
+            self._buffer += chunk
+        message, _, self._buffer = self._buffer.partition(b"\0")
+        return json.loads(message)
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None,
+             timeout: float = PAGE_TIMEOUT_S) -> dict:
+        """Send one command and return its result; the events that arrive meanwhile are kept."""
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        data = json.dumps(message).encode() + b"\0"
+        while data:
+            data = data[os.write(self._to_browser, data):]
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._read(deadline)
+            if reply.get("id") == self._next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error'].get('message')}")
+                return reply.get("result", {})
+            if "method" in reply:
+                self.events.append(reply)
+
+    def wait_event(self, method: str, session: str, timeout: float = PAGE_TIMEOUT_S) -> dict:
+        """The first kept or coming event ``method`` of ``session`` (taken off the kept events)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for index, event in enumerate(self.events):
+                if event["method"] == method and event.get("sessionId") == session:
+                    return self.events.pop(index)
+            reply = self._read(deadline)
+            if "method" in reply:
+                self.events.append(reply)
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close", timeout=10)
+        except (OSError, RuntimeError, TimeoutError):
+            pass
+        deadline = time.monotonic() + 10
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                break
+            time.sleep(0.05)
+        for fd in (self._to_browser, self._from_browser):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._profile.cleanup()
+
+
+class Tab:
+    """A browser tab: open a page at a width, run JavaScript on it, photograph it, list its requests."""
+
+    def __init__(self, devtools: DevTools):
+        self.devtools = devtools
+        target = devtools.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.session = devtools.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Page", "Network", "Runtime"):
+            self.send(f"{domain}.enable")
+
+    def send(self, method: str, params: dict | None = None, timeout: float = PAGE_TIMEOUT_S) -> dict:
+        return self.devtools.send(method, params, self.session, timeout)
+
+    def viewport(self, width: int, height: int, phone: bool = False) -> None:
+        self.send("Emulation.setDeviceMetricsOverride",
+                  {"width": width, "height": height, "deviceScaleFactor": 2 if phone else 1, "mobile": phone})
+
+    def open(self, url: str) -> None:
+        """Load ``url`` and wait until it is drawn: MathJax done, fonts loaded, images decoded."""
+        self.devtools.events = [e for e in self.devtools.events if e.get("sessionId") != self.session]
+        self.send("Page.navigate", {"url": url})
+        self.devtools.wait_event("Page.loadEventFired", self.session)
+        self.evaluate(PROBE_JS)
+        self.evaluate(f"__minitp.settle({(PAGE_TIMEOUT_S - 10) * 1000})")
+
+    def evaluate(self, expression: str):
+        result = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
+                                                "returnByValue": True})
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            text = details.get("exception", {}).get("description") or details.get("text")
+            raise RuntimeError(f"JavaScript failed on the page: {text}")
+        return result.get("result", {}).get("value")
+
+    def screenshot(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
+        path.write_bytes(base64.b64decode(data))
+        return path
+
+    def requests(self) -> tuple[list[str], list[str]]:
+        """(every URL the page asked for, the site's files that failed or came back as errors)."""
+        asked, failed, urls = [], [], {}
+        for event in self.devtools.events:
+            if event.get("sessionId") != self.session:
+                continue
+            params = event.get("params", {})
+            if event["method"] == "Network.requestWillBeSent":
+                urls[params["requestId"]] = params["request"]["url"]
+                asked.append(params["request"]["url"])
+            elif event["method"] == "Network.responseReceived" and params["response"]["status"] >= 400:
+                failed.append(f"{params['response']['url']} ({params['response']['status']})")
+            elif event["method"] == "Network.loadingFailed" and not params.get("canceled"):
+                failed.append(f"{urls.get(params['requestId'], '?')} ({params.get('errorText')})")
+        return asked, failed
+
+
+# Installed in each page as window.__minitp; each function returns plain JSON for the checks.
+PROBE_JS = r"""
+window.__minitp = (() => {
+  const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
+  const seen = (el) => (el.checkVisibility ? el.checkVisibility() : el.getClientRects().length > 0);
+  const content = () => document.querySelector(".md-content") || document.body;
+  const short = (text, n = 70) => text.replace(/\s+/g, " ").trim().slice(0, n);
+
+  async function settle(limitMs) {
+    const deadline = Date.now() + limitMs;
+    const left = () => Math.max(0, deadline - Date.now());
+    const hub = window.MathJax && window.MathJax.Hub;
+    if (hub && hub.Register) {  // MathJax 2: its first typeset, then anything still queued
+      await Promise.race([new Promise((done) => hub.Register.StartupHook("End", done)), sleep(left())]);
+      await Promise.race([new Promise((done) => hub.Queue(done)), sleep(left())]);
+    }
+    if (document.fonts) await Promise.race([document.fonts.ready, sleep(Math.min(5000, left()))]);
+    await Promise.all([...document.images].map((img) => img.decode().catch(() => null)));
+    await sleep(50);
+    return true;
+  }
+
+  // raw TeX a reader would see: the page's text without code, scripts and MathJax's own copies
+  const TEX = /\\[A-Za-z]{2,}|\\[_{}%&#$^]|\$[^$\s][^$\n]*\$/g;
+  function rawTex() {
+    const clone = content().cloneNode(true);
+    clone.querySelectorAll("pre, code, script, style, textarea, .MJX_Assistive_MathML, .MathJax_Preview, "
+                           + ".clipboard-copy-txt").forEach((el) => el.remove());
+    const text = clone.textContent;
+    const found = [];
+    for (const match of text.matchAll(TEX)) {
+      found.push(short(text.slice(Math.max(0, match.index - 25), match.index + match[0].length + 25)));
+      if (found.length >= 5) break;
+    }
+    return found;
+  }
+
+  function brokenAnchors() {
+    const ids = new Set([...document.querySelectorAll("[id]")].map((el) => el.id));
+    document.querySelectorAll("a[name]").forEach((el) => ids.add(el.getAttribute("name")));
+    const broken = new Set();
+    for (const link of document.querySelectorAll('a[href^="#"]')) {
+      const raw = link.getAttribute("href").slice(1);
+      let id = raw;
+      try { id = decodeURIComponent(raw); } catch (error) { /* keep it as written */ }
+      if (raw && !ids.has(id)) broken.add(raw);
+    }
+    return [...broken];
+  }
+
+  // an output that shows nothing, or only the repr of what a cell returned
+  const REPR = new RegExp("^(<(function|bound method|module|class|built-in function|generator object)\\b[^>]*>"
+    + "|<[\\w.]+ object at 0x[0-9a-fA-F]+>|<Figure size [^>]*>"
+    + "|(interactive|VBox|HBox|Box|GridBox|Output|Tab|Accordion)\\()");
+  function strayOutputs() {
+    const stray = [];
+    for (const output of document.querySelectorAll(".jp-OutputArea-output")) {
+      const text = output.textContent.trim();
+      const media = output.querySelector("img, svg, table, canvas, video, iframe, input, .MathJax_CHTML, .MathJax");
+      const prompt = output.parentElement.querySelector(".jp-OutputPrompt");
+      const where = prompt && prompt.textContent.trim() ? prompt.textContent.trim() + " " : "";
+      if (!text && !media) stray.push(`${where}(empty)`);
+      else if (!media && REPR.test(text)) stray.push(`${where}${short(text, 50)}`);
+    }
+    return stray;
+  }
+
+  function facts() {
+    const images = [...document.querySelectorAll('img[src^="data:image/png"]')];
+    const decoded = images.filter((img) => img.complete && img.naturalWidth > 0);
+    const folds = [...document.querySelectorAll("details.minitp-answer")];
+    return {
+      images: images.length,
+      decoded: decoded.length,
+      smallest: decoded.length ? Math.min(...decoded.map((img) => img.width * img.height)) : 0,
+      typeset: document.querySelectorAll('[id^="MathJax-Element-"][id$="-Frame"]').length,
+      math_errors: [
+        ...(document.body.innerText.includes("Math Processing Error") ? ["Math Processing Error"] : []),
+        ...[...document.querySelectorAll(".mjx-merror, .merror")].map((el) => short(el.textContent, 40)),
+      ].slice(0, 5),
+      content: !!document.querySelector(".md-content"),
+      broken_anchors: brokenAnchors(),
+      raw_tex: rawTex(),
+      stray_outputs: strayOutputs(),
+      twins: document.querySelectorAll(".minitp-explore").length,
+      folds: folds.length,
+    };
+  }
+
+  // the answer folds as a reader finds them (closed, nothing of them drawn), then clicked open
+  function folds() {
+    const all = [...document.querySelectorAll("details.minitp-answer")];
+    const extra = (fold) => fold.getBoundingClientRect().height - fold.querySelector("summary").offsetHeight;
+    const body = (fold) => [...fold.children].filter((el) => el.tagName !== "SUMMARY");
+    const closed = all.filter((fold) => !fold.open && extra(fold) < 20 && !body(fold).some(seen)).length;
+    const verdict = /\[ok\]/.test(document.body.innerText);
+    all.forEach((fold) => fold.querySelector("summary").click());
+    const opened = all.filter((fold) => fold.open && extra(fold) > 40 && body(fold).some(seen)).length;
+    return {folds: all.length, closed: closed, opened: opened, verdict_visible: verdict};
+  }
+
+  // each static twin: every value of every control, clicked, shows another panel that differs
+  async function twins() {
+    const problems = [];
+    let clicks = 0;
+    const all = [...document.querySelectorAll(".minitp-explore")];
+    for (const [number, twin] of all.entries()) {
+      const name = `control ${number + 1}` + (twin.id ? ` (#${twin.id})` : "");
+      const shown = () => [...twin.querySelectorAll(".mx-panel")].filter(seen);
+      const looks = (panel) => [...panel.querySelectorAll("img")].map((img) => img.src).join("|") + "\n"
+        + [...panel.querySelectorAll("pre")].map((pre) => pre.textContent).join("\n");
+      const radios = [...twin.querySelectorAll('input[type="radio"]')];
+      const folded = [];  // a control inside a closed answer fold: opened for the check, closed after
+      for (let fold = twin.closest("details"); fold; fold = fold.parentElement.closest("details")) {
+        if (!fold.open) { fold.open = true; folded.push(fold); }
+      }
+      if (shown().length !== 1) problems.push(`${name}: ${shown().length} panels shown on load, not one`);
+      if (!radios.length) problems.push(`${name}: no control to click`);
+      const click = async (input) => {
+        const label = twin.querySelector(`label[for="${CSS.escape(input.id)}"]`);
+        if (!label) { problems.push(`${name}: the value ${input.id} has no label`); return; }
+        const before = shown()[0];
+        label.click();
+        clicks += 1;
+        await sleep(10);
+        const after = shown();
+        const what = `${name}: clicking "${short(label.textContent, 20)}"`;
+        if (!input.checked) problems.push(`${what} does not select it`);
+        if (after.length !== 1) { problems.push(`${what} shows ${after.length} panels, not one`); return; }
+        if (after[0] === before) { problems.push(`${what} leaves the same panel shown`); return; }
+        if (before && looks(after[0]) === looks(before)) problems.push(`${what} shows the same figures and text`);
+        const images = [...after[0].querySelectorAll("img")];
+        const undecoded = images.filter((img) => !(img.complete && img.naturalWidth > 0));
+        if (undecoded.length) problems.push(`${what} shows a figure not decoded`);
+        if (!images.length && !after[0].textContent.trim()) problems.push(`${what} shows an empty panel`);
+      };
+      for (const group of [...new Set(radios.map((radio) => radio.name))]) {
+        const values = radios.filter((radio) => radio.name === group);
+        const start = values.find((radio) => radio.checked);
+        if (!start) { problems.push(`${name}: no value of ${group} is selected on load`); continue; }
+        for (const input of values) if (input !== start) await click(input);
+        if (values.length > 1) await click(start);  // back where it was: its own label clicked too
+      }
+      folded.forEach((fold) => { fold.open = false; });
+    }
+    if (document.activeElement) document.activeElement.blur();  // no focus ring in the screenshots
+    return {twins: all.length, clicks: clicks, problems: problems};
+  }
+
+  // the page on a phone: nothing wider than the screen unless it sits in a box that scrolls
+  function scrolls(el) {
+    for (let node = el.parentElement; node && node !== document.body; node = node.parentElement) {
+      if (/auto|scroll/.test(getComputedStyle(node).overflowX) && node.scrollWidth > node.clientWidth) return true;
+    }
+    return false;
+  }
+  function describe(el) {
+    const names = typeof el.className === "string" ? el.className.trim().split(/\s+/).filter(Boolean) : [];
+    const cls = names.length ? "." + names.slice(0, 2).join(".") : "";
+    return el.tagName.toLowerCase() + cls;
+  }
+  function phone() {
+    // the layout width (a phone zooms out to show a page wider than its screen: innerWidth grows)
+    const width = document.documentElement.clientWidth;
+    const wide = [];
+    for (const el of content().querySelectorAll("*")) {
+      if (el.closest(".MJX_Assistive_MathML")) continue;  // MathJax's copy for screen readers, clipped to 1 px
+      const box = el.getBoundingClientRect();
+      let right = box.right;  // and what sticks out of a box that lets its content overflow
+      if (el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).overflowX === "visible") {
+        right = Math.max(right, box.left + el.scrollWidth);
+      }
+      if (box.width === 0 || right <= width + 1 || !seen(el) || scrolls(el)) continue;
+      wide.push(`${describe(el)} reaches ${Math.round(right)} px`);
+      if (wide.length >= 3) break;
+    }
+    const code = [...content().querySelectorAll("pre, code")].filter(seen).slice(0, 400);
+    const sizes = code.map((el) => parseFloat(getComputedStyle(el).fontSize));
+    const smallCode = code.map((el, i) => [el, sizes[i]]).filter(([, size]) => size < 12).slice(0, 3)
+      .map(([el, size]) => `${describe(el)} ${size} px`);
+    const small = [];
+    for (const img of content().querySelectorAll("img")) {
+      if (!seen(img) || !img.naturalWidth) continue;
+      const drawn = img.getBoundingClientRect();
+      const natural = img.getAttribute("width") ? parseFloat(img.getAttribute("width")) : img.naturalWidth;
+      if (drawn.width + 1 < Math.min(natural, 300)) small.push(`${Math.round(drawn.width)} px (it is ${natural} px)`);
+      else if (drawn.right > width + 1 && !scrolls(img)) {
+        small.push(`${Math.round(drawn.width)} px, cut at the screen's edge`);
+      }
+    }
+    const prompts = [...content().querySelectorAll(".jp-InputPrompt, .jp-OutputPrompt")].filter(seen);
+    return {
+      width: width,
+      page_width: document.documentElement.scrollWidth,
+      wide: wide,
+      code_px: sizes.length ? Math.min(...sizes) : null,
+      small_code: smallCode,
+      small_figures: small.slice(0, 5),
+      figures_checked: [...content().querySelectorAll("img")].filter(seen).length,
+      gutter_px: prompts.length ? Math.max(...prompts.map((el) => el.getBoundingClientRect().width)) : 0,
+    };
+  }
+
+  // scroll so that the first element matching a selector (and shown) sits below the sticky header,
+  // or to the top; then let the header's title change (a short transition) finish
+  async function show(selector) {
+    const target = selector ? [...document.querySelectorAll(selector)].find(seen) : document.body;
+    if (!target) return false;
+    window.scrollTo(0, selector ? target.getBoundingClientRect().top + window.scrollY - 80 : 0);
+    await sleep(400);
+    return true;
+  }
+
+  return {settle, facts, folds, twins, phone, show};
+})();
+true
+"""
 
 
 def screenshot_colours(path: Path) -> tuple[int, float]:
@@ -206,6 +533,20 @@ def expected_folds(notebook: Path) -> int:
     return _student_module().website_notebook(notebook_json, name=notebook.name)[1]
 
 
+def outside_loads(text: str) -> list[str]:
+    """What in an HTML page or a stylesheet would load something from another host (a snippet each)."""
+    found = []
+    for pattern in OUTSIDE_LOADS:
+        for match in pattern.finditer(text):
+            found.append(" ".join(text[match.start():match.end() + 60].split())[:110])
+    return found
+
+
+def is_outside(url: str, base_url: str) -> bool:
+    scheme = urlsplit(url).scheme
+    return scheme not in ("data", "blob", "about", "javascript", "chrome", "devtools") and not url.startswith(base_url)
+
+
 @dataclass
 class PageReport:
     """What the browser showed for one page, and what was wrong with it."""
@@ -222,19 +563,33 @@ class PageReport:
     folds_in_page: int = 0
     folds_closed: int = 0
     folds_opened: int = 0
+    twins: int = 0
+    twin_clicks: int = 0
+    requests: int = 0
+    outside_requests: list[str] = field(default_factory=list)
+    broken_anchors: list[str] = field(default_factory=list)
+    raw_tex: list[str] = field(default_factory=list)
+    phone: dict = field(default_factory=dict)
+    screenshots: list[Path] = field(default_factory=list)
     fold_screenshots: list[Path] = field(default_factory=list)
     colours: int = 0
     top_colour_share: float = 1.0
+    seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         state = "ok  " if not self.problems else "FAIL"
+        phone = (f"phone: page {self.phone.get('page_width')} px wide, code {self.phone.get('code_px')} px, "
+                 f"gutter {self.phone.get('gutter_px', 0):.0f} px" if self.phone else "phone: not checked")
         return (
-            f"{state} {self.page}: {self.figures_decoded} figures drawn by the browser "
+            f"{state} {self.page} ({self.seconds:.1f} s): {self.figures_decoded} figures drawn by the browser "
             f"({self.figures_in_page} in the HTML, {self.figures_expected} in the notebook), "
             f"{self.formulas_typeset} formulas typeset ({self.formulas_expected} in the notebook), "
             f"{self.folds_closed} answer folds closed on load and {self.folds_opened} opened on click "
             f"({self.folds_in_page} in the page, {self.folds_expected} exercises' runs in the notebook), "
+            f"{self.twins} static controls ({self.twin_clicks} clicks, each changed the figure), "
+            f"{self.requests} requests, {len(self.outside_requests)} outside the site, "
+            f"{len(self.broken_anchors)} broken anchors, {len(self.raw_tex)} raw TeX; {phone}; "
             f"screenshot {self.colours} colours ({self.screenshot})"
             + "".join(f"\n     - {problem}" for problem in self.problems)
         )
@@ -245,76 +600,137 @@ def chapter_pages(site_dir: Path) -> list[Path]:
     return sorted((site_dir / "notebooks").glob("[0-9][0-9]_*/index.html"))
 
 
+def _static_outside(site_dir: Path, page: Path, html: str, seen_css: dict[Path, list[str]]) -> list[str]:
+    """Loads from other hosts written in the page and in the site's stylesheets it links."""
+    found = outside_loads(html)
+    for href in LOCAL_STYLESHEET.findall(html):
+        if urlsplit(href).scheme or href.startswith("//"):
+            continue  # another host: outside_loads has it already
+        css = (page.parent / href.split("?")[0]).resolve() if not href.startswith("/") else \
+            (site_dir / href.lstrip("/").split("?")[0]).resolve()
+        if css not in seen_css:
+            seen_css[css] = outside_loads(css.read_text(encoding="utf-8", errors="replace")) if css.is_file() else []
+        found += [f"{css.name}: {snippet}" for snippet in seen_css[css]]
+    return found
+
+
 def check_page(
-    chromium: str, base_url: str, site_dir: Path, page: Path, screenshots: Path, notebook: Path | None,
-    fold_screenshots: bool = False,
+    tab: Tab, base_url: str, site_dir: Path, page: Path, screenshots: Path, notebook: Path | None,
+    fold_screenshots: bool = False, seen_css: dict | None = None,
 ) -> PageReport:
+    start = time.perf_counter()
     relative = page.relative_to(site_dir).as_posix()
     name = page.parent.name if page.parent != site_dir else "index"
     report = PageReport(page=relative, screenshot=screenshots / f"{name}.png")
-    url = base_url + relative.removesuffix("index.html")
+    url = urljoin(base_url, relative.removesuffix("index.html"))
     html = page.read_text(encoding="utf-8")
     report.figures_in_page = len(PNG_IMG.findall(html))
+    problems = report.problems
     if notebook is not None:
         report.figures_expected, report.formulas_expected = notebook_expectations(notebook)
         report.folds_expected = expected_folds(notebook)
         if report.figures_in_page < report.figures_expected:
-            report.problems.append(
-                f"the notebook stores {report.figures_expected} PNG figures, the page has "
-                f"{report.figures_in_page}"
-            )
+            problems.append(f"the notebook stores {report.figures_expected} PNG figures, the page has "
+                            f"{report.figures_in_page}")
+    for snippet in _static_outside(site_dir, page, html, {} if seen_css is None else seen_css):
+        problems.append(f"would load from outside the site: {snippet}")
 
-    dom = run_chromium(chromium, url, ["--dump-dom"])
-    report.formulas_typeset = len(MATH_TYPESET.findall(dom))
-    errors = [error for error in MATH_ERRORS if error in dom]
-    if errors:
-        report.problems.append(f"MathJax reported errors: {errors}")
+    # --- on a desktop -----------------------------------------------------------------------------
+    tab.viewport(*DESKTOP)
+    tab.open(url)
+    facts = tab.evaluate("__minitp.facts()")
+    report.formulas_typeset, report.twins = facts["typeset"], facts["twins"]
+    if facts["math_errors"]:
+        problems.append(f"MathJax reported errors: {facts['math_errors']}")
     if report.formulas_expected and report.formulas_typeset < 0.9 * report.formulas_expected:
-        report.problems.append(
+        problems.append(
             f"{report.formulas_expected} formulas in the notebook, {report.formulas_typeset} typeset: "
             "MathJax did not load or failed (a site built without a local MathJax loads it from a CDN; "
             "apt-get install libjs-mathjax and rebuild)"
         )
-    if "md-content" not in dom:
-        report.problems.append("the page has no Material content area after loading")
+    if not facts["content"]:
+        problems.append("the page has no Material content area after loading")
+    report.figures_decoded = facts["decoded"]
+    if report.figures_in_page and (facts["decoded"] < report.figures_in_page or facts["smallest"] < 100):
+        problems.append(f"the browser decoded {facts['decoded']} of {facts['images']} figures "
+                        f"(smallest drawn {facts['smallest']} px)")
+    report.broken_anchors, report.raw_tex = facts["broken_anchors"], facts["raw_tex"]
+    if report.broken_anchors:
+        problems.append(f"links to anchors that do not exist: {', '.join('#' + a for a in report.broken_anchors)}")
+    if report.raw_tex:
+        problems.append(f"raw TeX in the text: {' | '.join(report.raw_tex)}")
+    if facts["stray_outputs"]:
+        problems.append(f"outputs that show nothing or a bare repr: {' | '.join(facts['stray_outputs'][:5])}")
 
-    report.screenshot.parent.mkdir(parents=True, exist_ok=True)
-    report.screenshot.unlink(missing_ok=True)
-    run_chromium(chromium, url, [f"--screenshot={report.screenshot}"])
+    shots = report.screenshots
+    shots.append(tab.screenshot(report.screenshot))
     _check_screenshot(report, report.screenshot)
+    if report.figures_in_page and tab.evaluate("__minitp.show('.jp-OutputArea-output img, .md-content img')"):
+        report.figure_screenshot = tab.screenshot(screenshots / f"{name}-first-figure.png")
+        shots.append(report.figure_screenshot)
+        _check_screenshot(report, report.figure_screenshot)
+    if report.twins:
+        twins = tab.evaluate("__minitp.twins()")
+        report.twin_clicks = twins["clicks"]
+        problems.extend(f"static control: {problem}" for problem in twins["problems"])
+        if tab.evaluate("__minitp.show('.minitp-explore')"):
+            shots.append(tab.screenshot(screenshots / f"{name}-first-control.png"))
 
-    if report.figures_in_page or report.folds_expected:
-        # the same page in the probe frame: the folds as a reader finds them, then the figures
-        probe = f"{base_url}{PROBE_PATH.lstrip('/')}?page=/{relative.removesuffix('index.html')}"
-        found = re.search(r'<pre id="result">(.*?)</pre>', run_chromium(chromium, probe, ["--dump-dom"]), re.S)
-        result = json.loads(found.group(1)) if found and found.group(1).startswith("{") else None
-        if result is None:
-            report.problems.append("the probe page could not read the chapter page's figures and folds")
-        else:
-            _read_probe(report, result)
-        if report.figures_in_page:
-            report.figure_screenshot = screenshots / f"{name}-first-figure.png"
-            report.figure_screenshot.unlink(missing_ok=True)
-            run_chromium(chromium, probe, [f"--screenshot={report.figure_screenshot}"])
-            _check_screenshot(report, report.figure_screenshot)
-        if fold_screenshots and report.folds_in_page:
-            for width in FOLD_WIDTHS:
-                shot = screenshots / f"{name}-first-answer-{width}px.png"
-                shot.unlink(missing_ok=True)
-                run_chromium(chromium, f"{probe}&show=fold&width={width}&height=1400", [f"--screenshot={shot}"],
-                             window=(width, 1400))
-                report.fold_screenshots.append(shot)
-                _check_screenshot(report, shot)
+    folds = tab.evaluate("__minitp.folds()")  # opens them all: the phone checks see the answers too
+    _read_folds(report, folds)
+    if fold_screenshots and report.folds_in_page and tab.evaluate("__minitp.show('details.minitp-answer')"):
+        shot = tab.screenshot(screenshots / f"{name}-first-answer-{DESKTOP[0]}px.png")
+        report.fold_screenshots.append(shot)
+        _check_screenshot(report, shot)
+
+    # --- on a small tablet, then on a phone --------------------------------------------------------
+    tab.viewport(*TABLET)
+    tab.evaluate("__minitp.settle(5000)")
+    _layout_problems(report, tab.evaluate("__minitp.phone()"), gutter=False)
+    tab.viewport(*PHONE, phone=True)
+    tab.evaluate("__minitp.settle(5000)")
+    report.phone = tab.evaluate("__minitp.phone()")
+    _layout_problems(report, report.phone, gutter=True)
+    tab.evaluate("__minitp.show(null)")
+    shot = tab.screenshot(screenshots / f"{name}-{PHONE[0]}px.png")
+    shots.append(shot)
+    _check_screenshot(report, shot)
+    if report.figures_in_page and tab.evaluate("__minitp.show('.jp-OutputArea-output img, .md-content img')"):
+        shots.append(tab.screenshot(screenshots / f"{name}-first-figure-{PHONE[0]}px.png"))
+    if report.twins and tab.evaluate("__minitp.show('.minitp-explore')"):
+        shots.append(tab.screenshot(screenshots / f"{name}-first-control-{PHONE[0]}px.png"))
+    if fold_screenshots and report.folds_in_page and tab.evaluate("__minitp.show('details.minitp-answer')"):
+        shot = tab.screenshot(screenshots / f"{name}-first-answer-{PHONE[0]}px.png")
+        report.fold_screenshots.append(shot)
+        _check_screenshot(report, shot)
+
+    asked, failed = tab.requests()
+    report.requests = len(asked)
+    report.outside_requests = sorted({url for url in asked if is_outside(url, base_url)})
+    if report.outside_requests:
+        problems.append(f"requests outside the site: {', '.join(report.outside_requests[:5])}")
+    # outside: reported above; /favicon.ico: asked by the browser itself of a page that names no icon
+    failed = [failure for failure in failed if failure.startswith(base_url) and "/favicon.ico " not in failure]
+    if failed:
+        problems.append(f"files of the site that did not load: {', '.join(failed[:5])}")
+    report.seconds = time.perf_counter() - start
     return report
 
 
-def _read_probe(report: PageReport, result: dict) -> None:
-    report.figures_decoded = result["decoded"]
-    if report.figures_in_page and (result["decoded"] < report.figures_in_page or result["smallest"] < 100):
-        report.problems.append(
-            f"the browser decoded {result['decoded']} of {result['images']} figures "
-            f"(smallest drawn {result['smallest']} px)"
-        )
+def _layout_problems(report: PageReport, result: dict, gutter: bool) -> None:
+    at = f"at {result['width']} px"
+    if result["page_width"] > result["width"] + 1 or result["wide"]:
+        report.problems.append(f"{at} the page scrolls sideways ({result['page_width']} px wide): "
+                               + "; ".join(result["wide"]))
+    if result["small_code"]:
+        report.problems.append(f"{at} code is under 12 px: {'; '.join(result['small_code'])}")
+    if result["small_figures"]:
+        report.problems.append(f"{at} figures are drawn too small: {'; '.join(result['small_figures'])}")
+    if gutter and result["gutter_px"] > 0.1 * result["width"]:
+        report.problems.append(f"{at} the In/Out gutter takes {result['gutter_px']:.0f} px")
+
+
+def _read_folds(report: PageReport, result: dict) -> None:
     report.folds_in_page, report.folds_closed = result["folds"], result["closed"]
     report.folds_opened = result["opened"]
     if report.folds_in_page != report.folds_expected:
@@ -343,6 +759,16 @@ def _check_screenshot(report: PageReport, path: Path) -> None:
         )
 
 
+@contextmanager
+def browser(chromium: str) -> Iterator[Tab]:
+    """One headless Chromium and a tab in it, for the block."""
+    devtools = DevTools(chromium)
+    try:
+        yield Tab(devtools)
+    finally:
+        devtools.close()
+
+
 def check_site(
     site_dir: Path, screenshots: Path, notebook_dir: Path | None = None, chromium: str | None = None,
     fold_screenshots: bool = False,
@@ -360,13 +786,16 @@ def check_site(
     if not (site_dir / "index.html").is_file():
         raise FileNotFoundError(f"no built site at {site_dir} (run make site)")
     reports = []
-    with serve(site_dir) as base_url:
-        reports.append(check_page(chromium, base_url, site_dir, site_dir / "index.html", screenshots, None))
+    seen_css: dict = {}
+    with serve(site_dir) as base_url, browser(chromium) as tab:
+        reports.append(check_page(tab, base_url, site_dir, site_dir / "index.html", screenshots, None,
+                                  seen_css=seen_css))
         for page in chapter_pages(site_dir):
             stem = page.parent.name
             candidates = [Path(notebook_dir) / f"{stem}.ipynb"] if notebook_dir is not None else []
             found = next((path for path in [*candidates, page.parent / f"{stem}.ipynb"] if path.is_file()), None)
-            reports.append(check_page(chromium, base_url, site_dir, page, screenshots, found, fold_screenshots))
+            reports.append(check_page(tab, base_url, site_dir, page, screenshots, found, fold_screenshots,
+                                      seen_css))
     if notebook_dir is not None:
         built = {page.parent.name for page in chapter_pages(site_dir)}
         for notebook in sorted(Path(notebook_dir).glob("[0-9][0-9]_*.ipynb")):

@@ -11,17 +11,32 @@ The notebooks stay where they are: they never get copied into ``course/`` (the d
   website form (``minitp.exercises.student.website_notebook``, written to a temporary folder): each
   exercise shows its stub, and its answer cells come tagged ``minitp-answer``.
 * ``on_page_content`` folds each run of ``minitp-answer`` cells, outputs included (the checker's
-  verdict), behind ``<details class="minitp-answer">`` "Show a worked answer", closed by default.
+  verdict), behind ``<details class="minitp-answer">`` "Show a worked answer", closed by default. It
+  also takes the notebook stylesheet (about 600 KB, the same on every chapter) out of the page, to be
+  served once as ``site/assets/notebook-<hash>.css`` (``on_post_page`` links it, ``on_post_build``
+  writes it); drops the Mermaid loader (it would import Mermaid from a CDN) from a page with no
+  diagram; keeps the prompts (``In [3]:``), the copy buttons ("Copied!") and the second copy of each
+  cell's source that the copy button reads out of the search index; and rebuilds the page's table of
+  contents from the headings as rendered (mkdocs-jupyter makes it from a Markdown conversion whose
+  ids drop inline code: ``## Accumulate with `no_sync` `` was linked as ``#accumulate-with``, while
+  the heading's id is ``accumulate-with-no_sync``).
+  Each PNG figure gets its natural width as a CSS variable (extra.css keeps it readable on a phone).
 * ``on_page_markdown`` resolves ``[text](chapter:NN)`` links in the Markdown pages: a link to
   chapter NN when it exists, plain text marked "in preparation" when it does not (so the course
   plan can name every chapter and ``mkdocs build --strict`` stays clean).
-* ``on_post_build`` copies the few MathJax files the pages use into ``site/assets/mathjax``, and
-  publishes each chapter's learner copy (answers out, as ``make student`` writes it) as the notebook to
-  download next to its page.
+* ``on_post_build`` copies the few MathJax files the pages use into ``site/assets/mathjax``, writes
+  the shared notebook stylesheet, and publishes each chapter's learner copy (answers out, as
+  ``make student`` writes it) as the notebook to download next to its page.
+
+Nothing a page loads comes from another host (``theme.font: false`` in mkdocs.yml: no web fonts;
+no widget renderer: the website form has no widget state; MathJax local): ``tools/browser_check.py``
+checks it in Chromium.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import os
@@ -62,6 +77,25 @@ FOLD_OPEN = '<details class="minitp-answer"><summary>Show a worked answer</summa
 FOLD_CLOSE = "</details>\n"
 CELL_START = re.compile(r'<div\b[^>]*\bclass="jp-Cell\b[^"]*"[^>]*>')
 DIV_TAG = re.compile(r"<(/?)div\b[^>]*>")
+
+# The notebook template's head: stylesheets before the cells (moved to one shared file), the Mermaid
+# loader, and a repr of the Pygments stylesheet list that mkdocs-jupyter appends after the cells
+# (``<style>['pre { …', …]</style>``: not CSS, it matches nothing).
+WRAPPER_START = '<div class="jupyter-wrapper">'
+STYLE_BLOCK = re.compile(r"<style\b[^>]*>(.*?)</style>\s*", re.DOTALL)
+LIST_REPR_STYLE = re.compile(r"<style>\s*\[\s*'.*?'\s*\]\s*</style>\s*", re.DOTALL)
+MERMAID_SCRIPT = re.compile(r'<script type="module">(?:(?!</script>).)*?mermaid(?:(?!</script>).)*</script>\s*',
+                            re.DOTALL)
+NOTEBOOK_CSS = "assets/notebook-{digest}.css"
+# Not for the search index (Material skips an element with data-search-exclude, then strips the mark).
+SEARCH_EXCLUDED = re.compile(
+    r'<(div|span|a)\b(?=[^>]*\bclass="(?:jp-InputPrompt|jp-OutputPrompt|zeroclipboard-container|anchor-link'
+    r'|clipboard-copy-txt)\b)'
+)
+PNG_IMG = re.compile(r'<img\b(?P<attrs>[^>]*?)\bsrc="data:image/png;base64,(?P<head>[A-Za-z0-9+/]{32})')
+HEADING = re.compile(r'<h([1-6]) id="([^"]+)"[^>]*>(.*?)</h\1>', re.DOTALL)
+ANCHOR_LINK = re.compile(r'<a class="anchor-link"[^>]*>.*?</a>', re.DOTALL)
+TAG = re.compile(r"<[^>]+>")
 
 _state: dict = {}
 
@@ -197,10 +231,111 @@ def fold_answers(html: str) -> str:
     return "".join(out)
 
 
+def split_notebook_css(html: str) -> tuple[str, str]:
+    """``(html without its notebook stylesheets, their CSS)``: the ``<style>`` blocks of the notebook
+    template's head (before the cells; the cells' own styles, such as a control's, stay), and the
+    Pygments list repr after the cells. Without a Mermaid diagram, the Mermaid loader goes too."""
+    start = html.find(WRAPPER_START)
+    if start < 0:
+        return html, ""
+    head, cells = html[:start], html[start:]
+    css = [match.group(1).strip() for match in STYLE_BLOCK.finditer(head)]
+    head = STYLE_BLOCK.sub("", head)
+    if "jp-Mermaid" not in cells:
+        head = MERMAID_SCRIPT.sub("", head)
+    cells = LIST_REPR_STYLE.sub("", cells)
+    return head + cells, "\n".join(css) + "\n" if css else ""
+
+
+def png_width(head: str) -> int | None:
+    """The width in pixels of a base64 PNG, from its first 32 characters (the IHDR chunk)."""
+    try:
+        data = base64.b64decode(head[:32])
+    except ValueError:
+        return None
+    return int.from_bytes(data[16:20], "big") if data[:8] == b"\x89PNG\r\n\x1a\n" else None
+
+
+def mark_figure_widths(html: str) -> str:
+    """Give each PNG figure its natural width as ``--natural-width`` (its ``width`` attribute, else the
+    PNG's): on a phone extra.css keeps a figure at least that wide, up to a limit, and lets its output
+    scroll sideways rather than shrink the labels past reading."""
+    def mark(match: re.Match) -> str:
+        attrs = match.group("attrs")
+        if "--natural-width" in attrs:
+            return match.group(0)
+        given = re.search(r'\bwidth="(\d+)', attrs)
+        width = int(given.group(1)) if given else png_width(match.group("head"))
+        if not width:
+            return match.group(0)
+        style = re.search(r'\bstyle="([^"]*)"', attrs)
+        if style:
+            attrs = attrs.replace(style.group(0), f'style="--natural-width:{width}px;{style.group(1)}"')
+        else:
+            attrs = f'{attrs.rstrip()} style="--natural-width:{width}px" '
+        return f'<img{attrs}src="data:image/png;base64,{match.group("head")}'
+    return PNG_IMG.sub(mark, html)
+
+
+def exclude_from_search(html: str) -> str:
+    """Mark the prompts, copy buttons, copy-button texts and heading permalinks ``data-search-exclude``."""
+    return SEARCH_EXCLUDED.sub(r'<\1 data-search-exclude="true"', html)
+
+
+def toc_from_headings(html: str) -> list[dict]:
+    """Table-of-contents tokens (as Python-Markdown's toc makes them) from the rendered headings of the
+    notebook's Markdown cells (those with a permalink), nested by level: ids are the headings' own."""
+    tokens: list[dict] = []
+    stack: list[dict] = []
+    for match in HEADING.finditer(html):
+        level, anchor, inner = int(match.group(1)), match.group(2), match.group(3)
+        if 'class="anchor-link"' not in inner:
+            continue  # a heading inside an output, not a section of the chapter
+        name = " ".join(TAG.sub("", ANCHOR_LINK.sub("", inner)).split())
+        token = {"level": level, "id": anchor, "name": name, "children": []}
+        while stack and stack[-1]["level"] >= level:
+            stack.pop()
+        (stack[-1]["children"] if stack else tokens).append(token)
+        stack.append(token)
+    return tokens
+
+
 def on_page_content(html, page, config, files):
-    if page.file.src_uri.startswith(f"{CHAPTER_DIR}/") and page.file.src_uri.endswith(".ipynb"):
-        return fold_answers(html)
-    return html
+    if not (page.file.src_uri.startswith(f"{CHAPTER_DIR}/") and page.file.src_uri.endswith(".ipynb")):
+        return html
+    from mkdocs.structure.toc import get_toc
+
+    html, css = split_notebook_css(fold_answers(html))
+    if css:
+        digest = hashlib.sha256(css.encode()).hexdigest()[:12]
+        path = NOTEBOOK_CSS.format(digest=digest)
+        _state.setdefault("css", {})[path] = css
+        _state.setdefault("page_css", {})[page.file.src_uri] = path
+    tokens = toc_from_headings(html)
+    if tokens:
+        page.toc = get_toc(tokens)
+    return exclude_from_search(mark_figure_widths(html))
+
+
+def link_stylesheet(output: str, href: str, before: str | None) -> str:
+    """``output`` with a stylesheet link to ``href`` in its head: before the link to ``before`` (the
+    site's own extra.css, so that it can override the notebook's rules), else at the end of the head."""
+    tag = f'<link rel="stylesheet" href="{href}">\n'
+    if before:
+        match = re.search(rf'<link rel="stylesheet" href="[^"]*{re.escape(before)}[^"]*">', output)
+        if match:
+            return output[:match.start()] + tag + output[match.start():]
+    return output.replace("</head>", tag + "</head>", 1)
+
+
+def on_post_page(output, page, config):
+    path = _state.get("page_css", {}).get(page.file.src_uri)
+    if path is None:
+        return output
+    from mkdocs.utils import get_relative_url
+
+    extra = [str(item) for item in config.extra_css]
+    return link_stylesheet(output, get_relative_url(path, page.url), extra[0] if extra else None)
 
 
 def on_page_markdown(markdown, page, config, files):
@@ -225,8 +360,17 @@ def publish_learner_copies(config) -> None:
             student.write_student_copy(path, folder / path.name)
 
 
+def write_notebook_css(config) -> None:
+    for path, css in _state.pop("css", {}).items():
+        target = Path(config.site_dir) / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(css, encoding="utf-8")
+    _state.pop("page_css", None)
+
+
 def on_post_build(config):
     publish_learner_copies(config)
+    write_notebook_css(config)
     web = _state.pop("web_dir", None)
     if web is not None:
         shutil.rmtree(web, ignore_errors=True)

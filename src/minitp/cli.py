@@ -89,11 +89,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     recompute = "full" if args.recompute else "selective" if args.selective_recompute else "none"
     options = dict(flash_attention=args.flash_attention, recompute=recompute,
-                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device])
+                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device], cp=args.cp)
     rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                      "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=args.all, **options)
     title = (f"minitp plan: {args.model} ({cfg.num_params() / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
-             f"{args.gpu_memory:g} GiB")
+             f"{args.gpu_memory:g} GiB" + (f", sequences split over cp = {args.cp}" if args.cp > 1 else ""))
     if not any(r["fits"] for r in rows):  # say so, and show how far each layout is from fitting
         rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                          "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=True, **options)
@@ -122,6 +122,8 @@ PLAN_OPTIONS = (
     Option("selective_recompute", bool, False, "recompute attention's scores only (Korthikanti et al.)"),
     Option("sequence_parallel", bool, False, "split the norms' activations over tp (reduce-scatter/all-gather)"),
     Option("device", str, "h100", "whose FLOP/s and links time the step", choices=("h100", "a100")),
+    Option("cp", int, 1, "context parallel: each sequence split over cp GPUs (ring attention); "
+           "the layouts are those of gpus/cp", low=1),
     Option("flash_attention", bool, True, "count the stored attention scores", negate=True),
     *(Option(name, int, None, "override the preset's size", low=1, optional=True)
       for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")),

@@ -128,6 +128,8 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
 
     method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
     ctx = mp.get_context(method)
+    if method == "fork":
+        guard.warm_optimizer_imports()
     payload = cloudpickle.dumps((fn, args))
     guard.remove_stale_workdirs()
     workdir = tempfile.mkdtemp(prefix=f"minitp-{os.getpid()}-")
@@ -165,6 +167,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
 
 
 # -- parent side -----------------------------------------------------------------------------------
+
 def _wait(procs, workdir: str, timeout: float, t0: float, line=None) -> list[dict]:
     """Poll until every rank has finished, one has failed, or time is up."""
     n = len(procs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from minitp import cost
-from minitp.layout import check_3d_layout, check_zero, layouts
+from minitp.layout import check_3d_layout, check_divisible, check_positive, check_zero, layouts, stage_num_blocks
 from minitp.models import ModelConfig
 
 GIB = 2**30
@@ -35,11 +35,16 @@ GIB = 2**30
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
                 micro_batch: int = 1, flash_attention: bool = True, recompute=False,
-                sequence_parallel: bool = False, device: cost.Device = cost.H100) -> dict:
+                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1) -> dict:
     """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one layout,
     from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or True / "full".
+    cp: context parallel, each sequence split over cp GPUs (ring attention; dp·cp·pp·tp GPUs in all):
+    activations of S/cp positions, the ring's key/value bytes, states sharded over dp·cp by ZeRO.
     Raises ``ValueError`` for a layout the model or the batch cannot take."""
     check_3d_layout(cfg, dp, pp, tp)
+    check_positive("cp", cp)
+    if cp > 1:  # zig-zag chunks: 2·cp pieces of the sequence, two per rank
+        check_divisible("seq_len", seq_len, "2·cp", 2 * cp)
     if batch_size % (dp * micro_batch):
         raise ValueError(f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
                          f"of {micro_batch}")
@@ -49,27 +54,32 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     b = 2 if precision in ("bf16", "fp16") else 4
     stages = []
     for s in range(pp):
-        states = cost.threed_memory_per_rank(cfg, dp, tp, pp, s, data_parallel, zero or 3, precision)
-        activations = cost.activation_bytes_per_rank(cfg, batch_size // dp // microbatches, seq_len, tp, pp, s,
-                                                     microbatches, b, flash_attention, recompute, sequence_parallel)
-        sent = cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, 0, data_parallel, zero or 3,
-                                      activation_bytes=b, param_bytes=b, grad_bytes=b,
+        # the dp·cp ranks holding the same weights share their states (ZeRO) and average gradients
+        states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, data_parallel, zero or 3, precision)
+        activations = cost.activation_bytes_per_rank(cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp,
+                                                     s, microbatches, b, flash_attention, recompute,
+                                                     sequence_parallel)
+        # a replica's B/dp rows at S/cp positions: threed's bytes for B·cp rows over dp·cp replicas
+        sent = cost.threed_step_bytes(cfg, batch_size * cp, seq_len // cp, dp * cp, tp, pp, s, 0, data_parallel,
+                                      zero or 3, activation_bytes=b, param_bytes=b, grad_bytes=b,
                                       sequence_parallel=sequence_parallel, recompute=recompute)
+        sent["cp"] = stage_num_blocks(cfg.n_layers, pp, s) * cost.cp_attention_bytes(
+            batch_size // dp, seq_len, cfg.kv_heads // tp, cfg.head_dim, cp, b)
         stages.append((states, activations, sent))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
     states, activations = stages[worst][0], stages[worst][1]
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
-                          precision, sequence_parallel, recompute)
+                          precision, sequence_parallel, recompute, cp=cp)
     return {
-        "dp": dp, "pp": pp, "tp": tp, "data_parallel": data_parallel, "zero": zero, "precision": precision,
+        "dp": dp, "pp": pp, "tp": tp, "cp": cp, "data_parallel": data_parallel, "zero": zero, "precision": precision,
         "sequence_parallel": sequence_parallel, "recompute": recompute,
         "microbatches": microbatches, "worst_stage": worst,
         "memory": {**states, "activations": activations},  # of the worst stage
         "memory_states": max(cost.total_memory(st[0]) for st in stages),  # the most any rank holds
         "memory_total": cost.total_memory(states) + activations,
-        "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in ("tp", "pp", "dp")},
+        "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in ("tp", "pp", "dp", "cp")},
         "bubble_fraction": cost.pp_bubble_fraction(pp, microbatches),
         "device": device.name, "time": asdict(time), "step_s": time.step_s, "mfu": time.mfu,
     }
@@ -78,28 +88,34 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
 def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, batch_size: int | None = None,
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
          precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
-         include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100) -> list[dict]:
+         include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100,
+         cp: int = 1) -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
-    batch_size: global batch in sequences (default: one per GPU); seq_len: default the model's
+    batch_size: global batch in sequences (default: one per GPU, or per cp GPUs); seq_len: default the model's
     ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
-    ``minitp.cost.activation_bytes_per_rank``; device: whose FLOP/s and links time the step.
+    ``minitp.cost.activation_bytes_per_rank``; device: whose FLOP/s and links time the step;
+    cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``).
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
     if gpu_memory_gib <= 0:
         raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
-    batch_size = batch_size or gpus
+    check_positive("cp", cp)
+    check_divisible("gpus", gpus, "cp", cp)
+    batch_size = batch_size or gpus // cp
     seq_len = seq_len or cfg.max_seq_len
+    if cp > 1:
+        check_divisible("seq_len", seq_len, "2·cp", 2 * cp)
     device = replace(device, gpus_per_node=gpus_per_node)
     rows = []
-    for dp, pp, tp in layouts(gpus):
+    for dp, pp, tp in layouts(gpus // cp):
         if tp > gpus_per_node:
             continue  # a tensor-parallel group stays inside one machine
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
-                              flash_attention, recompute, sequence_parallel, device)
+                              flash_attention, recompute, sequence_parallel, device, cp)
         except ValueError:
             continue
         row["fits"] = row["memory_total"] <= gpu_memory_gib * GIB
@@ -107,24 +123,30 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
             rows.append(row)
     # fitting first; then the fastest predicted step, then fewest bytes between machines (pp and dp)
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 12),
-                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"], r["bytes_per_step"]["tp"]))
+                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"] + r["bytes_per_step"]["cp"],
+                             r["bytes_per_step"]["tp"]))
     return rows
 
 
 def format_plan(rows: list[dict], title: str = "") -> str:
-    """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB."""
+    """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column and
+    the ring's bytes when the layouts split sequences)."""
     lines = [title] if title else []
     if not rows:
         return "\n".join(lines + ["no layout of these GPUs is possible for this model and batch"])
-    lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} {'zero':>4}  {'states GiB':>10} {'activ. GiB':>10} "
-                 f"{'total GiB':>9}  {'tp MiB/step':>11} {'pp MiB/step':>11} {'dp MiB/step':>11}  "
-                 f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
+    cp = any(r.get("cp", 1) > 1 for r in rows)
+    lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} " + (f"{'cp':>3} " if cp else "") + f"{'zero':>4}  "
+                 f"{'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}  {'tp MiB/step':>11} {'pp MiB/step':>11} "
+                 f"{'dp MiB/step':>11}  " + (f"{'cp MiB/step':>11}  " if cp else "")
+                 + f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
     for r in rows:
         b = r["bytes_per_step"]
-        lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} {r['zero'] if r['zero'] is not None else '-':>4}  "
+        lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} " + (f"{r['cp']:>3} " if cp else "")
+                     + f"{r['zero'] if r['zero'] is not None else '-':>4}  "
                      f"{r['memory_states'] / GIB:>10.2f} {r['memory']['activations'] / GIB:>10.2f} "
                      f"{r['memory_total'] / GIB:>9.2f}  {b['tp'] / 2**20:>11.1f} {b['pp'] / 2**20:>11.1f} "
-                     f"{b['dp'] / 2**20:>11.1f}  {r['bubble_fraction']:>6.3f}  {r['step_s']:>7.2f} "
+                     f"{b['dp'] / 2**20:>11.1f}  " + (f"{b['cp'] / 2**20:>11.1f}  " if cp else "")
+                     + f"{r['bubble_fraction']:>6.3f}  {r['step_s']:>7.2f} "
                      f"{r['mfu']:>5.1%}  {'yes' if r['fits'] else 'no'}")
     lines.append("states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
                  "activations: an estimate (1F1B, Korthikanti et al.); bytes: what the busiest rank sends per step; "
@@ -133,49 +155,62 @@ def format_plan(rows: list[dict], title: str = "") -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The same layouts as a Markdown table (the website's static version of the explorer)."""
-    head = ("| dp | pp | tp | ZeRO | states GiB | activations GiB | total GiB | tp MiB/step | pp MiB/step "
-            "| dp MiB/step | bubble | step s | MFU | fits |")
-    lines = [head, "|" + "---:|" * 13 + ":---:|"]
+    """The same layouts as a Markdown table (a cp column when the layouts split sequences)."""
+    cp = any(r.get("cp", 1) > 1 for r in rows)
+    head = ("| dp | pp | tp | " + ("cp | " if cp else "") + "ZeRO | states GiB | activations GiB | total GiB "
+            "| tp MiB/step | pp MiB/step | dp MiB/step | " + ("cp MiB/step | " if cp else "") + "bubble | step s "
+            "| MFU | fits |")
+    lines = [head, "|" + "---:|" * (13 + 2 * cp) + ":---:|"]
     for r in rows:
         b = r["bytes_per_step"]
-        lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | {r['zero'] if r['zero'] is not None else '-'} | "
+        lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | " + (f"{r['cp']} | " if cp else "")
+                     + f"{r['zero'] if r['zero'] is not None else '-'} | "
                      f"{r['memory_states'] / GIB:.2f} | {r['memory']['activations'] / GIB:.2f} | "
                      f"{r['memory_total'] / GIB:.2f} | {b['tp'] / 2**20:.1f} | {b['pp'] / 2**20:.1f} | "
-                     f"{b['dp'] / 2**20:.1f} | {r['bubble_fraction']:.3f} | {r['step_s']:.2f} | {r['mfu']:.1%} | "
+                     f"{b['dp'] / 2**20:.1f} | " + (f"{b['cp'] / 2**20:.1f} | " if cp else "")
+                     + f"{r['bubble_fraction']:.3f} | {r['step_s']:.2f} | {r['mfu']:.1%} | "
                      f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)
 
 
-def explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0):
-    """An ipywidgets explorer of ``plan``: pick a model, GPUs, memory, data parallel, recomputation and
-    sequence parallel;
-    the table of layouts (all of them, fitting first) follows. Needs ``ipywidgets`` (the course extra)."""
-    import ipywidgets as widgets
+# how the explorer keeps activations: (recompute, sequence_parallel) of ``plan``
+ACTIVATIONS = {"replicated norms": (False, False), "sequence parallel": (False, True),
+               "full recomputation": (True, False)}
 
+
+def explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0, static: dict | None = None):
+    """``plan`` as a control (``minitp.viz.explore``): pick a model, GPUs, memory per GPU, FSDP or DDP
+    and how activations are kept (replicated norms, sequence parallel, full recomputation); the table
+    of layouts (all of them, fitting first) follows. Nothing is launched: a setting is one call of
+    ``plan``. Display it: a live panel in JupyterLab (needs ``ipywidgets``, the course extra); in a
+    stored notebook, a static twin over ``static`` (default: this model, GPUs and memory, both data
+    parallels and the three ways of keeping activations)."""
     from minitp.models import PRESETS
+    from minitp.viz.explore import Control, explore
 
-    w = {
-        "model": widgets.Dropdown(options=list(PRESETS), value=model, description="model"),
-        "gpus": widgets.Dropdown(options=[2**k for k in range(1, 12)], value=gpus, description="GPUs"),
-        "memory": widgets.FloatSlider(value=gpu_memory_gib, min=8, max=192, step=8, description="GiB/GPU"),
-        "fsdp": widgets.Checkbox(value=True, description="FSDP (else DDP)"),
-        "recompute": widgets.Checkbox(value=False, description="recompute activations"),
-        "sequence_parallel": widgets.Checkbox(value=False, description="sequence parallel"),
+    def run(model, gpus, gpu_memory_gib, data_parallel, activations):  # the planner's rows, nothing launched
+        recompute, sequence_parallel = ACTIVATIONS[activations]
+        cfg = PRESETS[model]
+        return plan(cfg, gpus, gpu_memory_gib, seq_len=min(cfg.max_seq_len, 8192), data_parallel=data_parallel,
+                    recompute=recompute, sequence_parallel=sequence_parallel, include_unfit=True)
+
+    def draw(rows, setting):
+        cfg = PRESETS[setting["model"]]
+        fit = sum(r["fits"] for r in rows)
+        return format_plan(rows, f"{setting['model']}: {cfg.num_params() / 1e9:.2f} B parameters, sequences of "
+                                 f"{min(cfg.max_seq_len, 8192)}; {fit} of {len(rows)} layouts fit "
+                                 f"{setting['gpu_memory_gib']} GiB per GPU")
+
+    memory = list(range(8, 200, 8))  # GiB per GPU
+    controls = {
+        "model": Control(list(PRESETS), value=model),
+        "gpus": Control([2**k for k in range(1, 12)], value=gpus, label="GPUs"),
+        "gpu_memory_gib": Control(memory, value=next((m for m in memory if m == gpu_memory_gib), gpu_memory_gib),
+                                  label="GiB per GPU"),
+        "data_parallel": Control(["fsdp", "ddp"], label="data parallel"),
+        "activations": Control(list(ACTIVATIONS), label="activations"),
     }
-    out = widgets.HTML()
-
-    def update(_=None) -> None:
-        cfg = PRESETS[w["model"].value]
-        seq = min(cfg.max_seq_len, 8192)
-        rows = plan(cfg, w["gpus"].value, w["memory"].value, seq_len=seq,
-                    data_parallel="fsdp" if w["fsdp"].value else "ddp", recompute=w["recompute"].value,
-                    sequence_parallel=w["sequence_parallel"].value,
-                    include_unfit=True)
-        title = f"{w['model'].value}: {cfg.num_params() / 1e9:.2f} B parameters, sequences of {seq}"
-        out.value = f"<pre>{format_plan(rows, title)}</pre>"
-
-    for widget in w.values():
-        widget.observe(update, names="value")
-    update()
-    return widgets.VBox([widgets.HBox(list(w.values())[:3]), widgets.HBox(list(w.values())[3:]), out])
+    default = {"data_parallel": ["fsdp", "ddp"], "activations": list(ACTIVATIONS)}
+    return explore(run, draw, controls, title="the planner (minitp.plan)",
+                   static=default if static is None else static,
+                   note="each one call of minitp.plan.plan (nothing is launched), stored when this page was made")

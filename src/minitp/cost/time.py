@@ -170,14 +170,16 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     return RING_PHASES[op] * (n - 1) * link.alpha_s + collective_sent_bytes(op, nbytes, n) / link.bytes_per_s
 
 
-def links_of_layout(dp: int, pp: int, tp: int, device: Device) -> dict[str, Link]:
-    """Which link each dimension's messages cross, with minitp's order (tp fastest, dp slowest, ranks
-    filling machines in order): a group stays inside a machine when its span (tp; tp·pp; dp·pp·tp)
-    fits in one. Megatron and torchtitan order pp outermost instead; the tp rule is the same."""
+def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1) -> dict[str, Link]:
+    """Which link each dimension's messages cross, with minitp's order (tp fastest, then pp, then cp
+    inside the dp dimension, dp slowest; ranks filling machines in order): a group stays inside a
+    machine when its span (tp; tp·pp; cp·pp·tp; dp·cp·pp·tp) fits in one. Megatron and torchtitan
+    order pp outermost instead; the tp rule is the same."""
     inside = device.gpus_per_node
     return {"tp": device.intra if tp <= inside else device.inter,
             "pp": device.intra if tp * pp <= inside else device.inter,
-            "dp": device.intra if dp * pp * tp <= inside else device.inter}
+            "cp": device.intra if cp * pp * tp <= inside else device.inter,
+            "dp": device.intra if dp * cp * pp * tp <= inside else device.inter}
 
 
 # -- one training step -------------------------------------------------------------------------------
@@ -191,16 +193,18 @@ class StepTime:
     pp_s: float  # activations between stages (point-to-point), counted exposed
     dp_s: float  # the gradient all-reduce (DDP) or FSDP's gathers and reduce-scatters, whole
     dp_exposed_s: float  # what of dp_s does not hide behind compute
-    step_s: float  # compute + bubble + tp + pp + exposed dp
+    step_s: float  # compute + bubble + tp + pp + exposed dp + exposed cp
     model_flops: float  # per step, whole model, no recomputation
     mfu: float  # model_flops / (step_s · gpus · peak)
+    cp_s: float = 0.0  # context parallel's ring: keys and values (and their gradients) passed on
+    cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute
 
 
 def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
               microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
               sequence_parallel: bool = False, recompute="none", overlap: bool = True,
-              buckets: int | None = None) -> StepTime:
-    """Predicted seconds of one training step of ``cfg`` on dp·pp·tp ranks of ``device``.
+              buckets: int | None = None, cp: int = 1) -> StepTime:
+    """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
     with a pipeline only the last micro-batch's backward is left to hide behind); FSDP (ZeRO-3)
@@ -210,27 +214,41 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     (its stage's 1/pp of it; every tp and dp rank runs all the operations). buckets: DDP's
     all-reduces per step (default: one per 25 MiB of gradients, PyTorch's bucket size); each message
     step costs α (``_ring_steps``).
+
+    cp: context parallel, each of the dp replicas' sequences split over cp ranks (ring attention,
+    ``minitp.cost.context``). A rank then computes (B/dp)·(S/cp) tokens; tensor and pipeline
+    parallel move activations of S/cp positions; the gradients are averaged over the dp·cp ranks
+    that hold the same weights; the ring's keys and values hide behind the attention compute
+    they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
     """
     from minitp.cost import threed_step_bytes
+    from minitp.cost.context import cp_attention_bytes
+    from minitp.layout import check_divisible, check_positive
 
     recompute = recompute_mode(recompute)
-    gpus, m = dp * pp * tp, microbatches if pp > 1 else 1
+    check_positive("cp", cp)
+    check_divisible("seq_len", seq, "cp", cp)
+    gpus, m = dp * cp * pp * tp, microbatches if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     tokens = batch * seq
     model_flops = tokens * training_flops_per_token(cfg, seq)
     rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)) / gpus
     compute = compute_time(rank_flops, device, gpus)
+    attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq / gpus, device, gpus)
     # the fixed cost of a step: each micro-batch pays it on its stage's share of the model
     compute += device.overhead_s * m / pp * _shared_cores(device, gpus)
     bubble = compute * (pp - 1) / m
-    links = links_of_layout(dp, pp, tp, device)
-    worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
-    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    links = links_of_layout(dp, pp, tp, device, cp)
+    worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0}
+    sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp}
     for stage in range(pp):
-        sent = threed_step_bytes(cfg, batch, seq, dp, tp, pp, stage, 0, data_parallel, zero, activation_bytes=b,
-                                 param_bytes=b, grad_bytes=b, sequence_parallel=sequence_parallel,
-                                 recompute=recompute)
+        # a replica's B/dp rows at S/cp positions per rank: threed's bytes for B·cp rows over dp·cp
+        # replicas of sequences S/cp (the same activations; the gradients averaged over dp·cp ranks)
+        sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel, zero,
+                                 activation_bytes=b, param_bytes=b, grad_bytes=b,
+                                 sequence_parallel=sequence_parallel, recompute=recompute)
         blocks = stage_num_blocks(cfg.n_layers, pp, stage)
+        sent["cp"] = blocks * cp_attention_bytes(batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, b)
         steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets)
         for dim in worst:
             link = links[dim]
@@ -242,9 +260,11 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     else:
         window = compute * 2 / 3 / m
     dp_exposed = max(0.0, worst["dp"] - window)
-    step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed
+    cp_exposed = max(0.0, worst["cp"] - (attention if overlap else 0.0))
+    step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
-    return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu)
+    return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu,
+                    worst["cp"], cp_exposed)
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
@@ -252,10 +272,12 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
     """Message steps on the critical path per step, each costing α: an all-reduce over n ranks takes
     2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send 1.
     tp: per micro-batch 4 per block (6 with full recomputation), plus the embedding, output and loss's 3;
-    pp: m sends forward, m backward; dp: DDP's buckets, or FSDP's gathers and reduce-scatters per unit."""
-    tp, pp, dp = sizes["tp"], sizes["pp"], sizes["dp"]
+    pp: m sends forward, m backward; dp: DDP's buckets, or FSDP's gathers and reduce-scatters per unit;
+    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward."""
+    tp, pp, dp, cp = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1)
     per_block = 6 if recompute == "full" else 4
-    out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m if pp > 1 else 0, "dp": 0}
+    out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m if pp > 1 else 0, "dp": 0,
+           "cp": m * blocks * (3 * cp - 2) if cp > 1 else 0}
     if dp > 1:
         units = blocks + 1
         if data_parallel == "ddp":

@@ -28,7 +28,11 @@ What the two forms do with them:
 * **Website form** (``website_notebook``, used by ``tools/mkdocs_hooks.py``): before each answer cell
   a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived cells
   right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs included,
-  behind ``<details>`` "Show a worked answer".
+  behind ``<details>`` "Show a worked answer". A page has no kernel, so the live widgets go: each
+  output loses its ``application/vnd.jupyter.widget-view+json`` entry (the rest stays: a control's
+  static twin is its ``text/html``), an output left with only the widget's ``text/plain`` repr
+  (``interactive(children=…``) is dropped, and so is the notebook's ``widgets`` metadata (with it, the
+  page would load a widget renderer from a CDN).
 
 Only the standard library is used (the notebook is JSON), so this runs wherever minitp is installed.
 """
@@ -51,6 +55,7 @@ CHECKER_PREFIX = "check_"
 CONTINUE_TAG = "raises-exception"  # JupyterLab and nbclient keep running the cells after an error here
 STUB_TAG = "minitp-stub"  # website form: the learner's stub of an answer cell
 ANSWER_TAG = "minitp-answer"  # website form: folded behind "Show a worked answer"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a live ipywidgets view: needs a kernel
 
 
 class SolutionMarkerError(ValueError):
@@ -182,10 +187,18 @@ def _reads(statement: ast.AST) -> set[str]:
 
 
 def _calls_checker(statement: ast.AST) -> bool:
+    """Whether the statement calls an exercise's checker: ``chNN.check_x(...)`` or a bare ``check_x(...)``
+    imported from the chapter's module; a library's own ``cost.check_3d_layout(...)`` is not one."""
     for node in ast.walk(statement):
         if isinstance(node, ast.Call):
             func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if isinstance(func, ast.Name):
+                name = func.id
+            elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
+                    and re.fullmatch(r"ch\d\d", func.value.id):
+                name = func.attr
+            else:
+                name = ""
             if name.startswith(CHECKER_PREFIX):
                 return True
     return False
@@ -291,14 +304,36 @@ def write_student_copies(notebook_dir: Path, student_dir: Path, force: bool = Tr
 
 
 # -- the website's form ---------------------------------------------------------------------------------
+def without_widgets(outputs: list[dict]) -> list[dict]:
+    """The outputs a page without a kernel can show: every live widget view dropped, and with it an
+    output that had nothing else but the widget's plain-text repr (``VBox(children=…``)."""
+    kept = []
+    for output in outputs:
+        data = output.get("data")
+        if isinstance(data, dict) and WIDGET_VIEW in data:
+            data = {mime: value for mime, value in data.items() if mime != WIDGET_VIEW}
+            if set(data) <= {"text/plain"}:
+                continue
+            output = {**output, "data": data}
+            if isinstance(output.get("metadata"), dict):
+                output["metadata"] = {k: v for k, v in output["metadata"].items() if k != WIDGET_VIEW}
+        kept.append(output)
+    return kept
+
+
 def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]:
     """The notebook as the website shows it: ``(copy, number of folds)``.
 
     Before each answer cell, its stub (tag ``minitp-stub``, no output); the answer cell and the
     answer-derived cells that follow it without a Markdown cell between are tagged ``minitp-answer``.
-    An answer-derived cell further on is tagged too and becomes a fold of its own.
+    An answer-derived cell further on is tagged too and becomes a fold of its own. No live widget is
+    left (see :func:`without_widgets`), nor the ``widgets`` metadata.
     """
     original = json.loads(json.dumps(notebook))
+    original.get("metadata", {}).pop("widgets", None)
+    for cell in original.get("cells", []):
+        if "outputs" in cell:
+            cell["outputs"] = without_widgets(cell["outputs"])
     derived = answer_cells(original, name)
     cells: list[dict] = []
     folds = 0

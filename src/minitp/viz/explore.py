@@ -16,7 +16,6 @@ works on any page. ``make lab`` sets ``MINITP_LIVE=1``: a learner's cell runs on
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import html
 import io
@@ -24,8 +23,9 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from minitp import progress as _progress
 
@@ -105,8 +105,10 @@ def _close(figure) -> None:
         pass
 
 
-def describe(setting: dict) -> str:
-    return ", ".join(f"{k} = {_show(v)}" for k, v in setting.items())
+def describe(setting: dict, controls: dict | None = None) -> str:
+    """``ranks = 4, bucket MiB = 0.25``: each control's label (else its name) and value."""
+    label = lambda k: (controls[k].label if controls and k in controls else None) or k  # noqa: E731
+    return ", ".join(f"{label(k)} = {_show(v)}" for k, v in setting.items())
 
 
 def error_text(error: BaseException) -> str:
@@ -127,6 +129,7 @@ class Explorer:
     controls: dict[str, Control]
     title: str = ""
     static: dict[str, list] | None = None
+    note: str = "each a real run stored when this page was made"
     debounce_s: float = DEBOUNCE_S
     setting: dict = field(default_factory=dict)
     result: Any = None
@@ -160,19 +163,19 @@ class Explorer:
             if value not in self.controls[name].options:
                 raise ValueError(f"{name} = {value!r} is not one of {self.controls[name].options}")
         self.setting.update(changes)
-        self._status(f"running {describe(self.setting)} …")
+        self._status(f"running {describe(self.setting, self.controls)} …")
         start = time.perf_counter()
         try:
             with _progress.to(self._status):
                 shown = self.compute(self.setting)
         except Exception as error:  # shown in the panel: a widget must never die with its run
             self.error = error_text(error)
-            self._status(f"failed after {time.perf_counter() - start:.1f} s: {describe(self.setting)}")
+            self._status(f"failed after {time.perf_counter() - start:.1f} s: {describe(self.setting, self.controls)}")
             self._show_error(self.error)
             return False
         self.runs += 1
         self.shown, self.error = shown, ""
-        self._status(f"{describe(self.setting)}: ran in {time.perf_counter() - start:.1f} s")
+        self._status(f"{describe(self.setting, self.controls)}: ran in {time.perf_counter() - start:.1f} s")
         self._show_error("")
         if self._widget is not None:
             self._parts["figures"].value = shown
@@ -218,7 +221,7 @@ class Explorer:
             selector = " ~ ".join(f"#{sid}-{n}-{values[n].index(setting[n])}:checked" for n in names)
             rules.append(f"#{sid} {selector} ~ .mx-panels .mx-p{k}{{display:block}}" if names else
                          f"#{sid} .mx-p{k}{{display:block}}")
-            caption = html.escape(describe(setting))
+            caption = html.escape(describe(setting, self.controls))
             blocks.append(f'<div class="mx-panel mx-p{k}" data-setting="{caption}">'
                           f'<div class="mx-caption">{caption}</div>\n{body}\n</div>')
         style = (f"#{sid}{{display:flex;flex-wrap:wrap;align-items:center;gap:.3em}}"
@@ -228,14 +231,14 @@ class Explorer:
                  f"#{sid} input:focus-visible+label{{outline:2px solid #ff6e40}}"
                  f"#{sid} .mx-name{{font-weight:600;min-width:8em}}"
                  f"#{sid} .mx-break{{flex-basis:100%;height:0}}"
-                 f"#{sid} .mx-panels{{flex-basis:100%}}"
+                 f"#{sid} .mx-panels{{flex-basis:100%;min-width:0}}"
                  f"#{sid} .mx-panel{{display:none}}"
                  f"#{sid} .mx-caption{{font-size:.85em;color:#555;margin:.3em 0}}"
                  f"#{sid} img{{max-width:100%;height:auto}}"
                  f"#{sid} pre{{overflow-x:auto}}"
                  + "".join(rules))
         head = (f'<div class="mx-note">{html.escape(self.title) + ": " if self.title else ""}'
-                f"{len(panels)} settings, each a real run stored when this page was made; "
+                f"{len(panels)} settings, {html.escape(self.note)}; "
                 "in JupyterLab the control re-runs any setting.</div>")
         return (f'<div class="minitp-explore-static">{head}<style>{style}</style>'
                 f'<div class="minitp-explore" id="{sid}">' + "".join(inputs)
@@ -304,12 +307,12 @@ class Explorer:
         if self.twin is None:
             self.twin = "" if live else self.build_static()
         twin = self.twin
-        data = {"text/plain": f"{self.title or 'explorer'}: {describe(self.setting)}"}
+        data = {"text/plain": f"{self.title or 'explorer'}: {describe(self.setting, self.controls)}"}
         if twin:
             data["text/html"] = twin
         try:
             data.update(self.widget()._repr_mimebundle_(include=include, exclude=exclude) or {})
-            data["text/plain"] = f"{self.title or 'explorer'}: {describe(self.setting)}"
+            data["text/plain"] = f"{self.title or 'explorer'}: {describe(self.setting, self.controls)}"
         except ImportError:  # no ipywidgets: the stored figures, or the shown ones
             data.setdefault("text/html", self.shown)
         return data
@@ -326,7 +329,7 @@ def _kernel_loop():
 
 
 def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls: dict, *, title: str = "",
-            static: dict[str, list] | None = None, debounce_s: float = DEBOUNCE_S) -> Explorer:
+            static: dict[str, list] | None = None, debounce_s: float = DEBOUNCE_S, note: str | None = None) -> Explorer:
     """A control panel over real runs; display it (last line of a cell) to use it.
 
     run: ``run(**setting)`` launches a real run for one setting and returns what it recorded.
@@ -334,6 +337,7 @@ def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls:
     controls: name -> :class:`Control`, or a list of options (the first shown first).
     static: for the website's twin, the options of each control to store (default: all of them;
         at most 16 settings in all, each run once when the notebook is stored).
+    note: what the twin says its stored settings are (default: real runs; the planner's are not).
 
     The first setting runs now, so an error in ``run`` or ``draw`` shows in the cell that builds it.
     """
@@ -347,6 +351,8 @@ def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls:
             raise ValueError(f"a control name must be a Python name (it is a keyword of run), got {name!r}")
         made[name] = spec if isinstance(spec, Control) else Control(spec)
     explorer = Explorer(run=run, draw=draw, controls=made, title=title, static=static, debounce_s=debounce_s)
+    if note is not None:
+        explorer.note = note
     explorer.grid()  # a bad static= fails here, before any run
     explorer.shown = explorer.compute(explorer.setting)
     explorer.runs = 1

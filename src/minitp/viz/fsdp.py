@@ -85,7 +85,8 @@ def _unit_of(label: str) -> tuple[str, str]:
     return parts[i + 1], "/".join(parts[i + 2:])
 
 
-def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", width: float = 8.0):
+def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", width: float = 8.0,
+               reshard_after_forward: bool = True):
     """For one rank, one row per unit: when its full parameters were gathered (green), used (grey:
     the compute spans the run recorded), its gradient reduce-scattered (orange), and, in pale blue
     behind them, how long the full parameters existed on the rank, from the start of each gather
@@ -94,8 +95,8 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
     run: launch Results, Traces or Events of a ZeRO-3 step (``minitp.fsdp`` labels, optionally under
     ``label_prefix``). Compute spans are events of kind "compute" labelled
     ``.../fsdp/<unit>/compute.<phase>``. When a unit is freed comes from the library's rule: after
-    its forward (``reshard_after_forward``; the root stays), and in backward as soon as its
-    reduce-scatter has been started.
+    its forward when the run resharded after forward (``reshard_after_forward``, as the run was
+    built; the root stays), and in backward as soon as its reduce-scatter has been started.
     """
     events = [e for e in collect_events(run) if e.rank == rank and e.label.startswith(label_prefix)
               and "/fsdp/" in "/" + e.label and e.kind in ("comm", "compute")]
@@ -120,7 +121,7 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
         for g in gathers:
             phase = _unit_of(g.label)[1].split(".")[-1]
             ends = [c.end for c in computes if c.op == "forward" and c.start >= g.start]
-            if phase == "forward" and unit != "root" and ends:
+            if phase == "forward" and unit != "root" and ends and reshard_after_forward:
                 freed = min(ends)
             else:
                 later = [r.start for r in reduces if r.start >= g.start]

@@ -198,7 +198,7 @@ def _legend(lanes, chunks, messages: bool) -> list:
         handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c], linewidth=0.4,
                           label=f"chunk {c}") for c in range(1 + max(max(c, default=0) for c in chunks))]
     handles.append(Patch(facecolor="white", edgecolor="#999999", linewidth=0.4, label="idle (bubble)"))
-    if messages:
+    if messages and not interleaved:  # gantt draws no arrows for interleaved runs
         from matplotlib.lines import Line2D
 
         handles += [Line2D([], [], color="#0072B2", linewidth=0.8, label="activation →"),
