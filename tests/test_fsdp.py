@@ -142,12 +142,13 @@ def test_fsdp_matches_single_process_and_formulas_at_each_world_size(world_size)
 
 
 def test_fsdp_padding_is_what_the_formula_counts():
-    # 3 ranks: the root unit (16,448 elements) pads to 16,449; the blocks (41,088) divide evenly.
+    # 3 ranks: the root unit (16,448 elements) pads to 16,449, each block (36,992: attention with
+    # 4 key/value heads for 8 query heads) to 36,993
     numels = unit_numels(build_model(CFG), 3)
-    assert numels[0] == 16448 and numels[1:] == [41088] * 4
-    assert sum(cost.padded_numel(p, 3) for p in numels) == CFG.num_params() + 1
+    assert numels[0] == 16448 and numels[1:] == [36992] * 4
+    assert sum(cost.padded_numel(p, 3) for p in numels) == CFG.num_params() + 5
     mem = cost.fsdp_memory_per_rank(numels, 3, zero=3, precision="bf16")
-    assert cost.total_memory(mem) == 16 * (CFG.num_params() + 1) / 3 + 4 * len(numels)
+    assert cost.total_memory(mem) == 16 * (CFG.num_params() + 5) / 3 + 4 * len(numels)
 
 
 def _against_fully_shard_worker(train, mixed):

@@ -115,7 +115,7 @@ def test_check_3d_layout_names_the_number_that_does_not_fit():
     layout.check_3d_layout(TINY, 3, 1, 1)  # no world given: the sizes alone
     with pytest.raises(ValueError, match=r"dp\*pp\*tp = 2\*2\*2 = 8 but the world has 4 ranks"):
         layout.check_3d_layout(TINY, 2, 2, 2, 4)
-    with pytest.raises(ValueError, match="^tp=3 does not divide n_heads=4$"):
+    with pytest.raises(ValueError, match="^tp=3 does not divide n_heads=8$"):
         layout.check_3d_layout(TINY, 1, 1, 3)
     with pytest.raises(ValueError, match="^tp=4 does not divide ffn_hidden=102$"):
         layout.check_3d_layout(TINY.with_(ffn_hidden=102), 1, 1, 4)
@@ -152,13 +152,13 @@ def test_a_stage_without_a_block_is_refused():
 # -- tensor parallel -------------------------------------------------------------------------------
 def test_tp_split_sizes_are_what_tensor_parallel_cuts():
     cfg = TINY.with_(n_kv_heads=2)
-    assert dict(layout.tp_split_sizes(cfg)) == {"n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+    assert dict(layout.tp_split_sizes(cfg)) == {"n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 128,
                                                 "vocab_size": 128}
 
 
 def test_check_tp_config_names_each_size_tp_must_divide():
     layout.check_tp_config(TINY, 4)
-    with pytest.raises(ValueError, match="^n_heads=4 is not divisible by tp=3$"):
+    with pytest.raises(ValueError, match="^n_heads=8 is not divisible by tp=3$"):
         layout.check_tp_config(TINY, 3)
     with pytest.raises(ValueError, match="^n_kv_heads=2 is not divisible by tp=4: minitp splits key/value heads"):
         layout.check_tp_config(TINY.with_(n_kv_heads=2), 4)

@@ -35,9 +35,9 @@ def test_llama3_presets_have_the_published_sizes():
 
 
 def test_bad_config_names_the_numbers():
-    with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=4"):
+    with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=8"):
         ModelConfig(dim=30)
-    with pytest.raises(ValueError, match="n_heads=4 is not divisible by n_kv_heads=3"):
+    with pytest.raises(ValueError, match="n_heads=8 is not divisible by n_kv_heads=3"):
         ModelConfig(n_kv_heads=3)
 
 

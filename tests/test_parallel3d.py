@@ -41,13 +41,13 @@ def test_fsdp_with_a_pipeline_needs_zero_1_and_says_why():
 def test_bad_layouts_are_refused_in_the_parent_with_the_numbers():
     with pytest.raises(ValueError, match=r"dp\*pp\*tp = 2\*2\*3 = 12 but the world has 8 ranks"):
         runs.run_3d(nproc=8, dp=2, tp=3, pp=2)
-    with pytest.raises(ValueError, match="tp=8 does not divide n_heads=4"):
+    with pytest.raises(ValueError, match="tp=8 does not divide n_kv_heads=4"):
         runs.run_3d(nproc=8, dp=1, tp=8, pp=1)
     with pytest.raises(ValueError, match="pp=8 stages but the model has 4 blocks"):
         runs.run_3d(nproc=8, dp=1, tp=1, pp=8)
     with pytest.raises(ValueError, match="batch_size=6 is not divisible by nproc=4"):
         runs.run_3d(nproc=8, dp=4, tp=2, pp=1, batch_size=6)
-    with pytest.raises(ValueError, match="tp=3 does not divide n_heads=4"):
+    with pytest.raises(ValueError, match="tp=3 does not divide n_heads=8"):
         cost.check_3d_layout(get_config("tiny"), 1, 1, 3)
 
 

@@ -146,9 +146,10 @@ def _copy(path: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("changes, message", [
     ({"n_layers": 2}, r"checkpoint .*ckpt/index.json was saved from n_layers=4, this model has n_layers=2"),
-    ({"n_heads": 2}, r"checkpoint .*ckpt/index.json was saved from n_heads=4, this model has n_heads=2"),
+    ({"n_heads": 4, "n_kv_heads": 2},  # the same shapes: only the config tells them apart
+     r"checkpoint .*ckpt/index.json was saved from n_heads=8, n_kv_heads=4, this model has n_heads=4, n_kv_heads=2"),
     ({"dim": 32}, r"tok_embeddings.weight is \[128, 64\] in .*ckpt/index.json, the model's is \[128, 32\]"),
-], ids=["4-layers-into-2", "n_heads-4-into-2", "dim-64-into-32"])
+], ids=["4-layers-into-2", "n_heads-8-into-4", "dim-64-into-32"])
 def test_a_checkpoint_of_another_config_is_refused(four_layers, changes, message):
     with pytest.raises(RankError, match=f"CheckpointError: {message}"):
         launch(_load, 1, four_layers, changes, echo=False)

@@ -339,7 +339,7 @@ def _refusals():
     return {
         "column": message(lambda: tp.ColumnParallelLinear(nn.Linear(4, 10), None)),
         "row": message(lambda: tp.RowParallelLinear(nn.Linear(6, 4), None)),
-        "heads": message(lambda: tp.parallelize(build_model(TINY.with_(n_heads=2)), None)),
+        "heads": message(lambda: tp.parallelize(build_model(TINY.with_(n_heads=2, n_kv_heads=2)), None)),
         "kv_heads": message(lambda: tp.parallelize(build_model(TINY.with_(n_kv_heads=2)), None)),
         "vocab": message(lambda: tp.parallelize(build_model(TINY.with_(vocab_size=130)), None)),
         "sequence": message(lambda: sp_model(six_positions)),
@@ -357,7 +357,7 @@ def test_bad_input_is_refused_with_the_numbers():
                             "build the model with vocab_size=132 (the next multiple of 4)")
     assert got["sequence"].startswith("sequence length 6 is not divisible by tp=4")
     # the run refuses in the parent, before starting any process
-    with pytest.raises(ValueError, match="n_heads=4 is not divisible by tp=3"):
+    with pytest.raises(ValueError, match="n_heads=8 is not divisible by tp=3"):
         runs.run_tp(nproc=3)
     with pytest.raises(ValueError, match="seq_len=10 is not divisible by tp=4"):
         runs.run_tp(nproc=4, seq_len=10, sequence_parallel=True)

@@ -72,7 +72,8 @@ def test_shard_map_draws_every_rank_slice_and_the_padding(run):
         for rank in range(N):
             bar = shards[f"shard:{name}:{rank}"]
             assert bar.get_x() == rank * size and bar.get_width() == size
-    assert set(_patches(fig, "pad:")) == {"pad:root"}  # only the root needs padding on 3 ranks
+    padded = {f"pad:{name}" for name, numel in zip(names, numels) if numel % N}
+    assert padded and set(_patches(fig, "pad:")) == padded  # a unit is padded where 3 does not divide it
     assert len(_patches(fig, "param:layers.0:")) == 9  # the block's 9 parameters laid side by side
     assert [t.get_text().split("\n")[0] for t in ax.get_yticklabels()] == list(reversed(names))
     assert any("+1 padding" in t.get_text() for t in ax.texts)

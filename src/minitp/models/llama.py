@@ -25,8 +25,8 @@ class ModelConfig:
     vocab_size: int = 128
     dim: int = 64
     n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
+    n_heads: int = 8
+    n_kv_heads: int | None = 4  # grouped-query attention; None: as many as n_heads (multi-head attention)
     ffn_hidden: int = 128
     max_seq_len: int = 32
     norm_eps: float = 1e-5
@@ -61,7 +61,7 @@ class ModelConfig:
 
 # Presets. "tiny" trains on a laptop CPU in seconds; the LLaMA-3 shapes are for cost arithmetic and
 # are never materialised.
-TINY = ModelConfig()
+TINY = ModelConfig()  # 8 query heads of 8, 4 key/value heads (GQA, as LLaMA-3): tp can be 1, 2 or 4
 LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                         ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0)
 LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
