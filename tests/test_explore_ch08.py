@@ -3,6 +3,7 @@ rank's traced bytes equal the formula fed that run's routing, and the drops foll
 
 import html
 import json
+import math
 import re
 from pathlib import Path
 
@@ -35,11 +36,17 @@ def test_every_stored_run_sent_what_the_formula_of_its_routing_says():
 
 
 def test_stored_drops_shrink_as_capacity_grows_and_vanish_when_it_holds_the_sequence():
-    dropped = {}
+    dropped, capacity = {}, {}
     for (c, k), text in settings().items():
         lost, routed = map(int, re.search(r"dropped (\d+) of (\d+) assignments", text).groups())
         assert routed == 8 * 16 * k, (c, k)  # B·S·k: every token chose k experts
         dropped[c, k] = lost
+        capacity[c, k] = int(re.search(r"\) = (\d+) per sequence", text)[1])
+        assert capacity[c, k] == min(16, math.ceil(c * 16 * k / 8)), (c, k)  # C = min(S, ceil(c·S·k/E))
     for k in (1, 2):
-        assert dropped[0.5, k] >= dropped[1.25, k] >= dropped[4.0, k] == 0, dropped
+        assert dropped[0.5, k] >= dropped[1.25, k] >= dropped[4.0, k], dropped
         assert dropped[0.5, k] > 0, dropped
+    # an expert that can take the whole sequence (C = S: c = 4 at k = 2, not at k = 1 where C = 8) drops nothing
+    whole = [setting for setting, size in capacity.items() if size == 16]
+    assert whole == [(4.0, 2)], capacity
+    assert all(dropped[setting] == 0 for setting in whole), dropped

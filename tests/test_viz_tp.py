@@ -119,3 +119,31 @@ def test_matmul_blocks_draws_partial_sums_as_a_stack_and_flags_a_wrong_split(spl
     assert "block:W:all:unknown" in gids and "block:W:0:slice" not in gids
     rect = next(a for a in fig.axes[1].patches if a.get_gid() == "block:W:1:slice")
     assert rect.get_x() == 6  # rank 1 returned columns 6:9, and is drawn where they sit
+
+
+def _gids(fig) -> list[str]:
+    return [a.get_gid() for ax in fig.axes for a in ax.get_children() if a.get_gid()]
+
+
+def _attention_shards():
+    attention = tp.ParallelAttention(build_model(TINY).layers[0].attention, None)
+    return tp.local_shards(attention)
+
+
+def test_weight_shards_marks_grouped_query_heads_along_the_split_dimension():
+    shards = list(minitp.launch(_attention_shards, 2, echo=False))
+    q = [f"q{j}" for j in range(TINY.n_heads)]
+    kv = [f"kv{i}" for i in range(TINY.kv_heads)]
+    fig = viz_tp.weight_shards(shards, ["wq.weight", "wk.weight", "wo.weight"], labels=["WQ", "WK", "WO"],
+                               heads={"wq.weight": q, "wk.weight": kv, "wo.weight": q}, head_groups={"wq.weight": kv})
+    wq, wk, wo = fig.axes
+    assert [t.get_text() for t in wq.get_xticklabels()] == q
+    assert [t.get_text() for t in wq.get_xticklabels(minor=True)] == kv  # the key/value head each pair reads
+    assert [t.get_text() for t in wk.get_xticklabels()] == kv
+    assert [t.get_text() for t in wo.get_yticklabels()] == q  # row-parallel: heads run down the rows
+    assert sum(g.startswith("head:WQ:") for g in _gids(fig)) == TINY.n_heads - 1
+    lines = {line.get_gid(): line for line in wq.get_lines()}
+    assert list(lines["head:WQ:2"].get_xdata()) == [2 * TINY.head_dim] * 2
+    assert lines["head:WQ:2"].get_linestyle() == "-" and lines["head:WQ:1"].get_linestyle() != "-"  # group edge
+    with pytest.raises(ValueError, match="do not make 3 equal heads"):
+        viz_tp.weight_shards(shards, ["wk.weight"], heads={"wk.weight": ["a", "b", "c"]})

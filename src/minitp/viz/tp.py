@@ -5,11 +5,12 @@ which messages a tensor-parallel layer sent forward and backward.
   copy on every rank, or a partial sum. Found from the values the ranks returned, never assumed.
 * ``matmul_blocks``: Y = X·W drawn as coloured blocks, one colour per rank, from what each rank held.
 * ``weight_shards``: the weights of a tensor-parallel module (``minitp.tp.local_shards`` of every
-  rank), each drawn as the (in, out) matrix of y = x·W, coloured by the rank holding each slice.
+  rank), each drawn as the (in, out) matrix of y = x·W, coloured by the rank holding each slice;
+  optionally with an attention weight's heads marked off and named.
 * ``message_flow``: one rank's messages in the order it sent them, forward above, backward below.
 
-Every drawn piece carries a ``gid`` ("block:<panel>:<rank>:<kind>", "msg:<phase>:<i>:<op>") so that
-tests can find it in the figure.
+Every drawn piece carries a ``gid`` ("block:<panel>:<rank>:<kind>", "head:<panel>:<i>" for the line
+before head i, "msg:<phase>:<i>:<op>") so that tests can find it in the figure.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
             x, y, w, h = (p.start, 0, p.stop - p.start, rows) if p.dim == 1 else (0, p.start, cols, p.stop - p.start)
             ax.add_patch(Rectangle((x, y), w, h, facecolor=_lighten(rank_color(r), 0.25), edgecolor="black",
                                    linewidth=0.6, gid=f"block:{name}:{r}:slice"))
-            ax.text(x + w / 2, y + h / 2, f"r{r}", ha="center", va="center", fontsize=7)
+            ax.text(x + w / 2, y + h / 2, f"r{r}", ha="center", va="center", fontsize=7, zorder=4,
+                    bbox={"facecolor": _lighten(rank_color(r), 0.25), "edgecolor": "none", "pad": 0.6})
         if "unknown" in kinds:
             ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, edgecolor="#D55E00", linewidth=1.5,
                                    linestyle="--", gid=f"block:{name}:all:unknown"))
@@ -158,22 +160,62 @@ def matmul_blocks(x: tuple[torch.Tensor, list[torch.Tensor]], w: tuple[torch.Ten
     return fig
 
 
+def _mark_heads(ax, panel: str, shape: tuple[int, int], placements: list[Placement], heads: list[str],
+                groups: list[str] | None = None):
+    """Cut the split dimension of one drawn matrix into ``len(heads)`` equal runs (attention heads:
+    a head's features are contiguous) with dotted lines, and name each run along that edge; ``groups``
+    names equal runs of heads on a second line (the query heads that share a key/value head), split
+    by solid lines."""
+    dims = {p.dim for p in placements if p.kind == "slice"}
+    if len(dims) != 1:
+        raise ValueError(f"{panel}: heads are marked along the dimension the ranks split, found {sorted(dims)}")
+    dim = dims.pop()
+    rows, cols = shape
+    size = shape[dim]
+    groups = groups or []
+    if size % len(heads):
+        raise ValueError(f"{panel}: {size} features do not make {len(heads)} equal heads")
+    if groups and len(heads) % len(groups):
+        raise ValueError(f"{panel}: {len(heads)} heads do not make {len(groups)} equal groups")
+    step = size // len(heads)
+    per_group = len(heads) // len(groups) if groups else len(heads)
+    for i in range(1, len(heads)):
+        xs, ys = ([i * step] * 2, [0, rows]) if dim == 1 else ([0, cols], [i * step] * 2)
+        solid = groups and i % per_group == 0
+        ax.plot(xs, ys, color="black", linewidth=0.6, linestyle="-" if solid else (0, (1, 1.5)),
+                gid=f"head:{panel}:{i}")
+    axis = ax.xaxis if dim == 1 else ax.yaxis
+    axis.set_ticks([step * (i + 0.5) for i in range(len(heads))], heads, fontsize=6.5)
+    if groups:
+        axis.set_ticks([step * per_group * (g + 0.5) for g in range(len(groups))], groups, minor=True, fontsize=6.5)
+    ax.tick_params(which="major", length=0, pad=1.5)
+    ax.tick_params(which="minor", length=0, pad=10)
+
+
 def weight_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | None = None, title: str = "",
-                  width: float = 8.0):
+                  width: float = 8.0, height: float = 2.4, heads: dict[str, list[str]] | None = None,
+                  head_groups: dict[str, list[str]] | None = None):
     """The weights ``names`` of a tensor-parallel module as each rank held them.
 
     per_rank: ``minitp.tp.local_shards(module)`` of every rank, in rank order: {name: (this rank's
         piece, the dim it was split along or None)}. Each weight is drawn as the (in, out) matrix of
         y = x·W (the transpose of ``nn.Linear.weight``), so a column-parallel layer shows vertical
         slices and a row-parallel layer horizontal ones.
+    heads: {name: a label for each head} to mark an attention weight's heads, equal runs of features
+        along the dimension the ranks split (columns of W_Q, W_K, W_V; rows of W_O), each named
+        along the edge.
+    head_groups: {name: a label for each group of heads}, on a second line under the heads' names:
+        e.g. the key/value head that each group of query heads reads.
     """
-    fig = figure(width, 2.4)
+    fig = figure(width, height)
     mats = [whole([r[n][0] for r in per_rank], per_rank[0][n][1]).T for n in names]
     axes = fig.subplots(1, len(names), width_ratios=[m.shape[1] for m in mats])
     axes = [axes] if len(names) == 1 else list(axes)
     labels = labels or names
     for ax, name, label, mat in zip(axes, names, labels, mats):
-        _draw_panel(ax, label, mat, [r[name][0].T for r in per_rank], ("in", "out"))
+        placements = _draw_panel(ax, label, mat, [r[name][0].T for r in per_rank], ("in", "out"))
+        if heads and name in heads:
+            _mark_heads(ax, label, tuple(mat.shape), placements, heads[name], (head_groups or {}).get(name))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
