@@ -159,6 +159,24 @@ def test_a_parameter_without_gradient_does_not_hang_the_others():
     torch.testing.assert_close(results[0][1], results[1][1])  # the used one is averaged
 
 
+def _used_with_a_negative_zero_gradient():
+    """Rank 0 uses the second layer, but its weight's gradient is -0.0 in every element; rank 1 does
+    not use it. Rank 0 used it: on both ranks it must have a gradient (zeros), not None."""
+    torch.manual_seed(0)
+    model = _WithUnused()
+    if dist.get_rank() == 0:
+        model.unused.weight.register_hook(lambda grad: torch.full_like(grad, -0.0))
+    ddp = DistributedDataParallel(model, bucket_mb=1e-4)
+    ddp(torch.randn(2, 4), dist.get_rank() == 0).sum().backward()
+    return model.unused.weight.grad
+
+
+def test_a_parameter_used_with_a_negative_zero_gradient_counts_as_used_on_every_rank():
+    grads = minitp.launch(_used_with_a_negative_zero_gradient, 2, timeout=30, echo=False)
+    assert all(g is not None and not g.any() for g in grads)  # zeros, on both ranks alike
+    assert not any(bool(g.signbit().any()) for g in grads)  # +0.0: rank 0 sent no -0.0
+
+
 def _adamw_with_unused(wrapper: str, use_second_on: tuple[int, ...], parts: int = 2, steps: int = 2):
     """AdamW steps (weight decay 0.1) of ``_WithUnused``: the batch is cut into ``parts``, part r
     uses the second layer when r is in ``use_second_on``. Under DDP rank r runs part r; with no

@@ -26,9 +26,11 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
   agree on it inside the bucket's own all-reduce, with no extra byte: a rank that did not use a
   parameter sends -0.0 for it. Adding -0.0 changes nothing (x + -0.0 = x, and 0.0 + -0.0 = 0.0), and
   only a sum of -0.0 alone is -0.0, so an average that is -0.0 in every element was used by no rank.
-  (A used gradient that is exactly -0.0 everywhere reads the same, on every rank alike; a backend
-  whose sum started from +0.0 would read every parameter as used, and give it a zero gradient.) A
-  parameter used on some ranks gets the average, the other ranks counting as zeros.
+  A rank that used a parameter adds +0.0 to its share (-0.0 + 0.0 = +0.0; every other value stays),
+  so it never sends -0.0 and a used parameter never reads as unused; and only a rank that did not use
+  a parameter needs to look at its average (no pass over the bucket when every parameter was used).
+  (A backend whose sum started from +0.0 would read every parameter as used, and give it a zero
+  gradient.) A parameter used on some ranks gets the average, the other ranks counting as zeros.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Bucket:
     offsets: list[int]
     ready: int = 0
     handle: comm.Handle | None = field(default=None, repr=False)
+    unused_here: list[int] = field(default_factory=list)  # positions of the params this rank did not use
 
     @property
     def nbytes(self) -> int:
@@ -152,14 +155,18 @@ class DistributedDataParallel(nn.Module):
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
         # average = sum of (grad / n): each gradient is divided on its way into the bucket (one pass)
-        for p, view in zip(bucket.params, self._views(bucket)):
+        bucket.unused_here = []
+        for i, (p, view) in enumerate(zip(bucket.params, self._views(bucket))):
             if p.grad is None:  # took no part in this forward: -0.0 says so (see the top)
                 view.fill_(-0.0)
-            elif p.grad.data_ptr() != view.data_ptr():  # a fresh gradient from autograd: into the bucket
+                bucket.unused_here.append(i)
+                continue
+            if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient from autograd: into the bucket
                 torch.div(p.grad, self.world_size, out=view)
                 p.grad = view  # from now on backward accumulates in the bucket itself
             else:  # backward accumulated in the bucket already
                 view.div_(self.world_size)
+            view.add_(0.0)  # used here: never -0.0 (see the top)
         bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
                                         label=f"ddp/bucket{bucket.index}", async_op=True)
         self._next_bucket += 1
@@ -175,13 +182,10 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
             bucket.handle.wait()
-            # one look at the whole bucket first: without a single -0.0 in it every parameter was used
-            maybe_unused = bool(((bucket.buffer == 0) & bucket.buffer.signbit()).any())
-            for p, averaged in zip(bucket.params, self._views(bucket)):
-                if maybe_unused and used_by_no_rank(averaged):  # the same verdict on every rank: same sum
-                    p.grad = None
-                else:  # (used here: already the view; used only elsewhere: becomes it)
-                    p.grad = averaged
+            views = self._views(bucket) if bucket.unused_here else ()
+            for i in bucket.unused_here:  # a parameter used here is used: only these can be unused by all
+                p, averaged = bucket.params[i], views[i]
+                p.grad = None if used_by_no_rank(averaged) else averaged  # (used elsewhere: the average)
             bucket.ready, bucket.handle = 0, None
         self._next_bucket = 0
         self._callback_queued = False
