@@ -1,12 +1,12 @@
 """Chapter 07's stored twin (the website's ranks-and-layout control) is honest: every stored run sent
 what the formula says, its work per rank follows the layout, and 4-rank timings say they share 2 cores."""
 
-import html
 import json
 import re
 from pathlib import Path
 
 from minitp import cost
+from minitp.viz.explore import stored_twins, twin_texts
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_context_parallel.ipynb"
 
@@ -14,11 +14,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_context_paral
 def stored_panels(notebook: Path) -> dict[tuple[int, str], str]:
     """(ranks, layout) -> the text the panel shows, for the one stored twin of the notebook (the
     setting read from the text's first line, "4 ranks, contiguous: ...", not from the caption)."""
-    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
-    shown = ["".join(o.get("data", {}).get("text/html", "")) for c in cells for o in c.get("outputs", [])]
-    twins = [h for h in shown if "minitp-explore-static" in h]
+    twins = stored_twins(json.loads(notebook.read_text(encoding="utf-8")))
     assert len(twins) == 1, f"expected one stored twin in {notebook.name}, found {len(twins)}"
-    texts = [html.unescape(t) for t in re.findall(r'<pre class="minitp-explore-text">(.*?)</pre>', twins[0], re.S)]
+    texts = twin_texts(twins[0])
     settings = [re.match(r"(\d+) ranks, (contiguous|balanced):", t) for t in texts]
     assert all(settings), [t.splitlines()[0] for t in texts]
     return {(int(m[1]), m[2]): t for m, t in zip(settings, texts)}

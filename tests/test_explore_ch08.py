@@ -1,11 +1,12 @@
 """Chapter 08's stored twin (the website's capacity-and-k control) is honest: in every stored run each
 rank's traced bytes equal the formula fed that run's routing, and the drops follow the capacity."""
 
-import html
 import json
 import math
 import re
 from pathlib import Path
+
+from minitp.viz.explore import stored_twins, twin_texts
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "08_expert_parallel.ipynb"
 
@@ -13,11 +14,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "08_expert_parall
 def settings() -> dict[tuple[float, int], str]:
     """(capacity factor, k) -> the text the panel shows, for the one stored twin of the notebook (the
     setting read from the text's first line, "c = 1.25, k = 2: ...", not from the caption)."""
-    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
-    shown = ["".join(o.get("data", {}).get("text/html", "")) for c in cells for o in c.get("outputs", [])]
-    twins = [h for h in shown if "minitp-explore-static" in h]
+    twins = stored_twins(json.loads(NOTEBOOK.read_text(encoding="utf-8")))
     assert len(twins) == 1, f"expected one stored twin in {NOTEBOOK.name}, found {len(twins)}"
-    texts = [html.unescape(t) for t in re.findall(r'<pre class="minitp-explore-text">(.*?)</pre>', twins[0], re.S)]
+    texts = twin_texts(twins[0])
     found = [re.match(r"c = ([\d.]+), k = (\d+):", t) for t in texts]
     assert all(found), [t.splitlines()[0] for t in texts]
     return {(float(m[1]), int(m[2])): t for m, t in zip(found, texts)}

@@ -9,7 +9,7 @@ import pytest
 
 from minitp import launch
 from minitp.viz import style
-from minitp.viz.explore import LIVE_ENV, Control, explore, render
+from minitp.viz.explore import LIVE_ENV, Control, explore, render, stored_twins, twin_texts
 
 
 def _sent_bar(result, setting):
@@ -104,6 +104,9 @@ def test_the_static_twin_has_one_panel_per_setting_each_with_its_own_rule():
         assert f"setting {settings[k]}" in twin.split(f'class="mx-panel {cls}"')[1].split("</div></div>")[0] \
             .replace("&#x27;", "'")
     assert twin.count('type="radio"') == 4 and twin.count(" checked") == 2  # the shown setting is checked
+    assert twin_texts(twin) == [f"setting {s}" for s in settings]  # unescaped, in stored order
+    notebook = {"cells": [{"outputs": [{"data": {"text/html": [twin[:50], twin[50:]]}}, {"text": "x"}]}, {}]}
+    assert stored_twins(notebook) == [twin]
 
 
 def test_display_stores_the_twin_unless_live(monkeypatch):

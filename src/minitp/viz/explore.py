@@ -318,6 +318,18 @@ class Explorer:
         return data
 
 
+def stored_twins(notebook: dict) -> list[str]:
+    """The HTML of every static twin a stored notebook (its JSON, as a dict) holds, in cell order."""
+    shown = ["".join(o.get("data", {}).get("text/html", "")) for c in notebook.get("cells", [])
+             for o in c.get("outputs", [])]
+    return [h for h in shown if "minitp-explore-static" in h]
+
+
+def twin_texts(twin: str) -> list[str]:
+    """The text each stored setting of a twin shows (what ``draw`` returned as strings), in order."""
+    return [html.unescape(t) for t in re.findall(r'<pre class="minitp-explore-text">(.*?)</pre>', twin, re.S)]
+
+
 def _kernel_loop():
     """The running asyncio loop of the kernel (the changes arrive on it), else None."""
     import asyncio
@@ -359,4 +371,4 @@ def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls:
     return explorer
 
 
-__all__ = ["Control", "Explorer", "explore", "render", "LIVE_ENV"]
+__all__ = ["Control", "Explorer", "explore", "render", "stored_twins", "twin_texts", "LIVE_ENV"]
