@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from minitp import cost
-from minitp.layout import check_3d_layout, check_divisible, check_positive, check_zero, layouts, stage_num_blocks
+from minitp.layout import check_3d_layout, check_divisible, check_positive, check_zero, layouts
 from minitp.models import ModelConfig
 
 GIB = 2**30
@@ -59,12 +59,9 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         activations = cost.activation_bytes_per_rank(cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp,
                                                      s, microbatches, b, flash_attention, recompute,
                                                      sequence_parallel)
-        # a replica's B/dp rows at S/cp positions: threed's bytes for B·cp rows over dp·cp replicas
-        sent = cost.threed_step_bytes(cfg, batch_size * cp, seq_len // cp, dp * cp, tp, pp, s, 0, data_parallel,
-                                      zero or 3, activation_bytes=b, param_bytes=b, grad_bytes=b,
-                                      sequence_parallel=sequence_parallel, recompute=recompute)
-        sent["cp"] = stage_num_blocks(cfg.n_layers, pp, s) * cost.cp_attention_bytes(
-            batch_size // dp, seq_len, cfg.kv_heads // tp, cfg.head_dim, cp, b)
+        sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, data_parallel, zero or 3,
+                                       activation_bytes=b, param_bytes=b, grad_bytes=b,
+                                       sequence_parallel=sequence_parallel, recompute=recompute)
         stages.append((states, activations, sent))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another

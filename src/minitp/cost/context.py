@@ -25,7 +25,7 @@ from minitp.cost.activations import block_activation_bytes
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
            "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
-           "cp3d_step_bytes"]
+           "cp3d_step_bytes", "cp_mesh_step_bytes"]
 
 
 def cp_kv_block_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4) -> float:
@@ -122,3 +122,23 @@ def cp3d_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, mesh_d
                              broadcast_at_init=start_up)
     ring = cfg.n_layers * cp_attention_bytes(batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, dtype_bytes)
     return {"tp": tp_bytes, "pp": 0.0, "dp": dp_bytes, "cp": steps * ring}
+
+
+def cp_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp: int, stage: int,
+                       data_parallel: str = "ddp", zero: int = 3, activation_bytes: int = 4, param_bytes: int = 4,
+                       grad_bytes: int = 4, sequence_parallel: bool = False, recompute=False) -> dict[str, float]:
+    """Bytes per training step of a rank at ``stage`` of a dp·cp·pp·tp mesh, per dimension
+    {"tp", "pp", "dp", "cp"} (what the planner and the time model count; cp = 1: ``threed_step_bytes``
+    and no ring). A replica's B/dp rows at S/cp positions per rank move the activations of threed's
+    B·cp rows over dp·cp replicas of sequences S/cp, and its gradients are averaged over those dp·cp
+    ranks; the ring carries the stage's blocks' keys and values, Hkv/tp heads of B/dp rows."""
+    from minitp.cost.threed import threed_step_bytes
+    from minitp.layout import check_divisible, stage_num_blocks
+
+    check_divisible("seq_len", seq, "cp", cp)
+    sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel, zero,
+                             activation_bytes=activation_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                             sequence_parallel=sequence_parallel, recompute=recompute)
+    sent["cp"] = stage_num_blocks(cfg.n_layers, pp, stage) * cp_attention_bytes(
+        batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, activation_bytes)
+    return sent

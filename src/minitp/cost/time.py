@@ -221,13 +221,11 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     that hold the same weights; the ring's keys and values hide behind the attention compute
     they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
     """
-    from minitp.cost import threed_step_bytes
-    from minitp.cost.context import cp_attention_bytes
-    from minitp.layout import check_divisible, check_positive
+    from minitp.cost.context import cp_mesh_step_bytes
+    from minitp.layout import check_positive
 
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
-    check_divisible("seq_len", seq, "cp", cp)
     gpus, m = dp * cp * pp * tp, microbatches if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     tokens = batch * seq
@@ -242,13 +240,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0}
     sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp}
     for stage in range(pp):
-        # a replica's B/dp rows at S/cp positions per rank: threed's bytes for B·cp rows over dp·cp
-        # replicas of sequences S/cp (the same activations; the gradients averaged over dp·cp ranks)
-        sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel, zero,
-                                 activation_bytes=b, param_bytes=b, grad_bytes=b,
-                                 sequence_parallel=sequence_parallel, recompute=recompute)
+        sent = cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, data_parallel, zero, activation_bytes=b,
+                                  param_bytes=b, grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute)
         blocks = stage_num_blocks(cfg.n_layers, pp, stage)
-        sent["cp"] = blocks * cp_attention_bytes(batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, b)
         steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets)
         for dim in worst:
             link = links[dim]

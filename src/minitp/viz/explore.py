@@ -139,8 +139,8 @@ class Explorer:
     twin: str | None = None  # the static twin's HTML, built on first display
     _widget: Any = None
     _parts: dict = field(default_factory=dict)
-    _timer: Any = None
-    _generation: int = 0
+    _timer: Any = None  # the pending run's handle on the kernel's loop
+    _pending: dict = field(default_factory=dict)  # changes not run yet
 
     def __post_init__(self):
         self.setting = {name: c.value for name, c in self.controls.items()}
@@ -283,22 +283,19 @@ class Explorer:
                                           if text else "")
 
     def _changed(self, name: str, value) -> None:
-        """A control moved: run after ``debounce_s`` unless another change comes first."""
-        self._generation += 1
-        generation = self._generation
-        self._pending = {**getattr(self, "_pending", {}), name: value}
-        loop = _kernel_loop()
-        if loop is None or self.debounce_s <= 0:
-            self._fire(generation)
-            return
+        """A control moved: run after ``debounce_s`` unless another change comes first (it cancels
+        this one's pending run and starts the wait again)."""
+        self._pending[name] = value
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = loop.call_later(self.debounce_s, self._fire, generation)
+        loop = _kernel_loop()
+        if loop is None or self.debounce_s <= 0:
+            self._fire()
+        else:
+            self._timer = loop.call_later(self.debounce_s, self._fire)
 
-    def _fire(self, generation: int) -> None:
-        if generation != self._generation:
-            return  # a later change replaced this one
-        pending, self._pending = getattr(self, "_pending", {}), {}
+    def _fire(self) -> None:
+        pending, self._pending, self._timer = self._pending, {}, None
         self.update(**pending)
 
     # -- display ------------------------------------------------------------------------------------
@@ -306,15 +303,14 @@ class Explorer:
         live = os.environ.get(LIVE_ENV, "") not in ("", "0")
         if self.twin is None:
             self.twin = "" if live else self.build_static()
-        twin = self.twin
-        data = {"text/plain": f"{self.title or 'explorer'}: {describe(self.setting, self.controls)}"}
-        if twin:
-            data["text/html"] = twin
+        data = {}
         try:
             data.update(self.widget()._repr_mimebundle_(include=include, exclude=exclude) or {})
-            data["text/plain"] = f"{self.title or 'explorer'}: {describe(self.setting, self.controls)}"
         except ImportError:  # no ipywidgets: the stored figures, or the shown ones
-            data.setdefault("text/html", self.shown)
+            data["text/html"] = self.shown
+        if self.twin:
+            data["text/html"] = self.twin
+        data["text/plain"] = f"{self.title or 'explorer'}: {describe(self.setting, self.controls)}"
         return data
 
 
