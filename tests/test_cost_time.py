@@ -195,12 +195,28 @@ def test_chapter_06_sequence_parallel_against_full_recomputation_at_70b():
     assert len(plan.plan(LLAMA3_70B, 64, 80, sequence_parallel=True)) == 6
 
 
-def test_strategies_the_time_model_does_not_cover_say_so(calibration):
+def test_a_context_parallel_run_is_predicted_with_its_ring_and_a_moe_says_it_is_not(calibration):
     from minitp.runs.common import predicted_step_s
 
     train = TrainConfig(steps=2, batch_size=8, seq_len=16)
     predicted, note = predicted_step_s("cp", {"dp": 1, "tp": 1, "pp": 1, "cp": 2}, TINY, train, {})
-    assert predicted is None and "does not cover cp" in note
+    want = cost.step_time(TINY, 8, 16, device=cost.this_machine(), precision="fp32", cp=2)
+    assert note is None and predicted == pytest.approx(want.step_s) and want.cp_s > 0
+    predicted, note = predicted_step_s("ep", {"dp": 2, "tp": 1, "pp": 1}, TINY, train, {})
+    assert predicted is None and "all-to-alls are not in it" in note
+
+
+def test_with_no_core_to_spare_nothing_overlaps_on_a_cpu():
+    import dataclasses
+
+    spare = dataclasses.replace(CPU, cores=4)  # 2 ranks on 4 cores: gloo has cores of its own
+    busy = dataclasses.replace(CPU, cores=2)  # 2 ranks on 2 cores: the compute's cores move the bytes
+    hidden = cost.step_time(TINY, 8, 16, dp=2, device=spare)
+    exposed = cost.step_time(TINY, 8, 16, dp=2, device=busy)
+    assert hidden.dp_exposed_s == pytest.approx(max(0.0, hidden.dp_s - 2 / 3 * hidden.compute_s))
+    assert hidden.dp_exposed_s < hidden.dp_s
+    assert exposed.dp_exposed_s == exposed.dp_s == hidden.dp_s
+    assert exposed.step_s == pytest.approx(cost.step_time(TINY, 8, 16, dp=2, device=spare, overlap=False).step_s)
 
 
 def test_minitp_run_reports_its_predicted_step_next_to_the_measured_one(calibration):

@@ -127,19 +127,37 @@ class ExpertParallelFeedForward(nn.Module):
 class ExpertParallel(nn.Module):
     """Make ``model`` (a MoE model, the same on every rank) expert parallel over ``group``: each MoE
     layer keeps E/n experts; after every backward the replicated parameters' gradients are averaged
-    over the group and the experts' divided by n, so every rank steps as one process would."""
+    over the data-parallel ranks and the experts' over their copies, so every rank steps as one
+    process would.
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, dp_group=None):
+    dp_group: the ranks the replicated parameters are data parallel over (default: ``group``); on a
+    mesh (``mesh_ep_groups``) it holds dp ranks, ep of which share one set of experts.
+    expert_dp_group: the dp/ep ranks holding the same experts as this one, one in each ep group
+    (needed when dp_group is larger than ``group``). Each rank's loss is the mean over its own
+    sequences and the global loss their mean over the dp ranks, so an expert's gradient, which holds
+    the contributions of every token its ep group sent it, is summed over its copies and divided by dp.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, dp_group=None,
+                 expert_dp_group=None):
         super().__init__()
         self.module, self.group = model, group
         comm.name_group(group, "ep", unless_named=True)
         self.dp_group = group if dp_group is None else dp_group  # the replicated parameters' group
-        if dp_group is not None:  # its own group object (same ranks): its bytes count as "dp"
-            if comm.group_ranks(dp_group) != comm.group_ranks(group):
-                raise ValueError(f"dp_group {comm.group_ranks(dp_group)} must hold the ep group's ranks "
-                                 f"{comm.group_ranks(group)}: the replicated parameters are data parallel over them")
-            comm.name_group(dp_group, "dp", unless_named=True)
+        self.expert_dp_group = expert_dp_group
         self.world_size = comm.group_size(group)
+        if dp_group is not None:  # its own group object: its bytes count as "dp"
+            ep_ranks, dp_ranks = comm.group_ranks(group), comm.group_ranks(dp_group)
+            if not set(ep_ranks) <= set(dp_ranks):
+                raise ValueError(f"dp_group {dp_ranks} must hold the ep group's ranks {ep_ranks}: the replicated "
+                                 "parameters are data parallel over them")
+            copies = len(dp_ranks) // len(ep_ranks)
+            have = 1 if expert_dp_group is None else comm.group_size(expert_dp_group)
+            if len(dp_ranks) % len(ep_ranks) or have != copies:
+                raise ValueError(f"dp_group has {len(dp_ranks)} ranks and the ep group {len(ep_ranks)}: expected "
+                                 f"an expert_dp_group of dp/ep = {len(dp_ranks) / len(ep_ranks):g} ranks, got {have}")
+            comm.name_group(dp_group, "dp", unless_named=True)
+        self.dp_size = comm.group_size(self.dp_group)
         for i, block in enumerate(model.layers):
             if isinstance(block.feed_forward, MoEFeedForward):
                 block.feed_forward = ExpertParallelFeedForward(block.feed_forward, group, f"ep/layers.{i}")
@@ -160,21 +178,50 @@ class ExpertParallel(nn.Module):
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
-        """Average the replicated gradients over the group (one flat all-reduce); divide the experts'."""
+        """Average the replicated gradients over dp (one flat all-reduce); the experts' over their
+        copies (one flat all-reduce over expert_dp_group, when there are copies), or divide them."""
         self._queued = False
         grads = [p.grad for p in self.replicated_params]
         if any(g is None for g in grads):
             missing = [i for i, g in enumerate(grads) if g is None]
             raise RuntimeError(f"replicated parameters {missing[:5]} got no gradient; every rank must use them")
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(comm.group_size(self.dp_group))
-        comm.all_reduce(flat, group=self.dp_group, label="ep/replicated_grads")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        for p in self.expert_params:
-            if p.grad is not None:
-                p.grad.div_(self.world_size)
+        _mean_flat(grads, self.dp_size, self.dp_group, "ep/replicated_grads")
+        experts = [p.grad for p in self.expert_params if p.grad is not None]
+        if self.expert_dp_group is not None and comm.group_size(self.expert_dp_group) > 1:
+            _mean_flat(experts, self.dp_size, self.expert_dp_group, "ep/expert_grads")
+        else:
+            for g in experts:
+                g.div_(self.dp_size)
+
+
+def _mean_flat(grads: list[torch.Tensor], divide_by: int, group, label: str) -> None:
+    """Sum ``grads`` over ``group`` in one flat all-reduce and divide them by ``divide_by``, in place."""
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(divide_by)
+    comm.all_reduce(flat, group=group, label=label)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def mesh_ep_groups(mesh, ep: int):
+    """This rank's (ep group, expert_dp group) on a ``Mesh``: within each dp group of the mesh,
+    runs of ep consecutive ranks share one set of experts (an ep group), and the ranks at the same
+    place in every run hold the same experts (an expert_dp group, whose gradient all-reduce counts
+    as "dp"). Every rank creates every group, in one order."""
+    from minitp import layout
+
+    layout.check_divisible("dp", mesh.dp, "ep", ep, ": the experts are split over ep of the dp ranks")
+    mine = {}
+    for ranks in layout.group_lists(mesh.dp, mesh.pp, mesh.tp)["dp"]:
+        for kind, runs in (("ep", [ranks[i:i + ep] for i in range(0, len(ranks), ep)]),
+                           ("dp", [ranks[j::ep] for j in range(ep)])):
+            for run in runs:
+                group = dist.new_group(run)
+                if mesh.rank in run:
+                    comm.name_group(group, kind)
+                    mine[kind] = group
+    return mine["ep"], mine["dp"]
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:

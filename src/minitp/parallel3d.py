@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from minitp import cp as _cp
+from minitp import ep as _ep
 from minitp import tp as _tp
 from minitp import trace as _trace
 from minitp.ddp import DistributedDataParallel, split_batch
@@ -31,6 +32,7 @@ from minitp.layout import check_zero
 from minitp.memory import held_bytes
 from minitp.mesh import Mesh
 from minitp.models import Transformer, loss_fn, make_optimizer
+from minitp.models.moe import MoEConfig, aux_loss
 from minitp.pp import Pipeline, PipelineStage, StageSpec
 
 
@@ -46,6 +48,11 @@ class Parallel3D:
     under ``no_sync`` and are averaged once after the schedule (FSDP: ZeRO-1 only, see ``fsdp.no_sync``).
     A dimension of size 1 is left out (no wrapper, no message).
 
+    cp: context parallel inside each replica (the mesh's dp dimension holds dp·cp ranks, pp = 1, DDP).
+    ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp ranks
+    shares one set of experts (``ep.mesh_ep_groups``); ``ep.ExpertParallel`` then averages the
+    replicated gradients over dp and each expert's over its dp/ep copies, in place of DDP (tp = pp = 1).
+
     device: where the model, the batches and the messages go; by default ``minitp.launch.device()``
     (``cuda:LOCAL_RANK`` under NCCL, else the CPU).
 
@@ -57,7 +64,7 @@ class Parallel3D:
 
     def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
-                 device: torch.device | str | None = None, cp: int = 1):
+                 device: torch.device | str | None = None, cp: int = 1, ep: int = 1):
         if data_parallel not in ("ddp", "fsdp"):
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
         self.zero = check_zero(data_parallel, zero, mesh.pp)
@@ -78,6 +85,19 @@ class Parallel3D:
                 raise ValueError(f"cp={cp} composes with dp (DDP) and tp; got pp={mesh.pp}, {data_parallel}")
             self.cp_group = _cp.mesh_cp_group(mesh, cp)
             cp_model = _cp.parallelize(model, self.cp_group)  # takes (B/dp, S/cp) tokens
+        # expert parallel: a MoE model's experts over ep of the dp ranks, the rest data parallel over dp
+        self.ep, self.expert_parallel = ep, None
+        if ep > 1:
+            if mesh.pp > 1 or mesh.tp > 1 or cp > 1 or data_parallel != "ddp":
+                raise ValueError(f"ep={ep} composes with dp (DDP) only; got pp={mesh.pp}, tp={mesh.tp}, cp={cp}, "
+                                 f"{data_parallel}")
+            if not isinstance(model.config, MoEConfig):
+                raise ValueError(f"ep={ep} needs a MoE model (minitp.models.moe), got {type(model.config).__name__}")
+            ep_group, expert_dp_group = _ep.mesh_ep_groups(mesh, ep)
+            self.expert_parallel = _ep.ExpertParallel(model, ep_group, mesh.dp_group, expert_dp_group)
+        if isinstance(model.config, MoEConfig):
+            loss = self.loss
+            self.loss = lambda logits, targets: loss(logits, targets) + model.config.aux_loss_coef * aux_loss(model)
         module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
@@ -86,7 +106,9 @@ class Parallel3D:
         self.split_dims = split_dims(module)
         self.ddp = self.fsdp = None
         self.step_model = module
-        if mesh.dp > 1 and data_parallel == "ddp":
+        if self.expert_parallel is not None:  # its own gradient averaging (replicated over dp, experts over copies)
+            self.step_model = self.expert_parallel
+        elif mesh.dp > 1 and data_parallel == "ddp":
             self.ddp = self.step_model = DistributedDataParallel(
                 cp_model if cp_model is not None else module, mesh.dp_group, bucket_mb=bucket_mb)
         elif mesh.dp > 1:

@@ -17,7 +17,7 @@ from minitp.cost import (
 from minitp.layout import check_divisible, stage_num_blocks
 
 __all__ = ["stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",
-           "threed_memory_per_rank"]
+           "threed_memory_per_rank", "ep3d_run_bytes"]
 
 
 # -- 3D: data × pipeline × tensor parallel, and the layout planner -----------------------------------
@@ -101,3 +101,25 @@ def threed_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, data_para
         return fsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage), dp, zero, precision)
     return memory_per_rank(threed_params_per_rank(cfg, tp, pp, stage), 1, zero=0, precision=precision,
                            num_tensors=stage_num_tensors(cfg, pp, stage))
+
+
+# -- expert parallel on the mesh: a MoE model's experts over ep of the dp ranks ------------------------
+def ep3d_run_bytes(layer_counts: list[list[list[list[int]]]], rank: int, dim: int, replicated_params: int,
+                   expert_params: int, dp: int, ep: int, dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
+    """Bytes a rank of a dp-rank mesh dimension sends over a run when its ep group (ep consecutive
+    dp ranks) shares one set of experts (``minitp.ep.mesh_ep_groups``), per dimension:
+
+    * "ep": its group's all-to-alls, ``ep_layer_bytes`` of the routing that happened
+      (``layer_counts[step][layer]``: ep x E kept assignments, one row per rank of its ep group;
+      ``rank``: its place in the group);
+    * "dp": per step, the replicated parameters' all-reduce over all dp ranks and its experts'
+      (``expert_params`` of them) over their dp/ep copies.
+    """
+    from minitp.cost.experts import ep_layer_bytes
+
+    check_divisible("dp", dp, "ep", ep)
+    steps = len(layer_counts)
+    a2a = sum(ep_layer_bytes(c, rank, dim, dtype_bytes) for step in layer_counts for c in step)
+    per_step = (collective_sent_bytes("all_reduce", replicated_params * grad_bytes, dp)
+                + collective_sent_bytes("all_reduce", expert_params * grad_bytes, dp // ep))
+    return {"tp": 0.0, "pp": 0.0, "dp": steps * per_step, "ep": a2a}

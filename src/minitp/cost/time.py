@@ -220,6 +220,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     parallel move activations of S/cp positions; the gradients are averaged over the dp·cp ranks
     that hold the same weights; the ring's keys and values hide behind the attention compute
     they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
+
+    On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
+    overlaps: gloo copies and adds the bytes on the same cores that compute.
     """
     from minitp.cost.context import cp_mesh_step_bytes
     from minitp.layout import check_positive
@@ -247,6 +250,8 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
         for dim in worst:
             link = links[dim]
             worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
+    if device.cores and gpus >= device.cores:
+        overlap = False  # a CPU moves gloo's bytes with its own cores: with none spare, nothing hides
     if not overlap:
         window = 0.0
     elif data_parallel == "fsdp" and zero == 3:

@@ -118,15 +118,16 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
         return None, f"this machine is not calibrated (minitp calibrate; it reads {cost.calibration_path()})"
     if strategy == "swiglu":
         return None, "the MLP alone is not a whole model; the time model predicts whole models"
-    if strategy == "ep":
+    if strategy == "ep" or layout.get("ep", 1) > 1:
         return None, "the time model predicts dense models; a MoE's all-to-alls are not in it yet"
-    if strategy not in ("ddp", "fsdp", "tp", "pp", "3d"):
+    if strategy not in ("ddp", "fsdp", "tp", "pp", "3d", "cp"):
         return None, f"the time model (minitp.cost.step_time) does not cover {strategy} yet"
     zero = details.get("zero") or 3
     data_parallel = details.get("data_parallel") or ("fsdp" if strategy == "fsdp" else "ddp")
     time = cost.step_time(cfg, train.batch_size, train.seq_len, layout["dp"], layout["tp"], layout["pp"], device,
                           details.get("microbatches") or 1, data_parallel, zero, "fp32",
-                          bool(details.get("sequence_parallel")), buckets=details.get("num_buckets"))
+                          bool(details.get("sequence_parallel")), buckets=details.get("num_buckets"),
+                          cp=layout.get("cp", 1))
     return time.step_s, None
 
 

@@ -8,21 +8,25 @@ from dataclasses import replace
 
 from minitp import checkpoint, cost, layout
 from minitp import trace as _trace
+from minitp.ep import full_state as ep_full_state
 from minitp.launch import launch
 from minitp.mesh import Mesh
 from minitp.models import TrainConfig, build_model, get_config, synthetic_batches
+from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers
 from minitp.parallel3d import Parallel3D, unshard_3d
 from minitp.references import full_batch
 from minitp.registry import COMMON, Option, Strategy, register
 from minitp.report import Report
 from minitp.runs.common import build_report, check_run, step_events, worker_summary
+from minitp.runs.expert_parallel import moe_reference
 
 
 def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, start_step: int,
                resume_from: str | None, save_to: str | None) -> dict:
-    cfg = get_config(model_name)
+    cfg = get_config(model_name) if options.get("ep", 1) == 1 else options.pop("moe")
     mesh = Mesh(shape["dp"], shape["pp"], shape["tp"])
-    par = Parallel3D(build_model(cfg, seed=train.seed), mesh, lr=train.lr, **options)
+    built = build_moe_model(cfg, seed=train.seed) if isinstance(cfg, MoEConfig) else build_model(cfg, seed=train.seed)
+    par = Parallel3D(built, mesh, lr=train.lr, **options)
     if resume_from:
         checkpoint.load(par, resume_from, expected_step=start_step)
     losses, times = [], []
@@ -38,14 +42,19 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
     memory = par.held_bytes()  # before anything is gathered
     if save_to:
         checkpoint.save(par, save_to, step=train.steps)
+    more = {}
+    if par.expert_parallel is not None:  # the routing that happened: what the all-to-alls' bytes follow
+        layers = moe_layers(par.module)
+        more = {"kept": [[layer.history[s].tolist() for layer in layers] for s in range(len(times))],
+                "num_tensors": len(list(par.module.parameters()))}
     return worker_summary(losses, times, memory, coords=[mesh.coords.dp, mesh.coords.pp, mesh.coords.tp],
-                          shards=par.local_shards(), steps_events=(first, last))
+                          shards=par.local_shards(), steps_events=(first, last), **more)
 
 
 def _bytes_by_dim(events) -> dict[str, float]:
     """Bytes sent over each mesh dimension (the dimension each event's process group was named)."""
     sent = {dim: row["sent_bytes"] for (dim,), row in _trace.totals(events, by=("dim",)).items()}
-    return {dim: sent.get(dim, 0.0) for dim in layout.DIMS + (("cp",) if "cp" in sent else ())}
+    return {dim: sent.get(dim, 0.0) for dim in layout.DIMS + tuple(d for d in ("cp", "ep") if d in sent)}
 
 
 def _check_output_folder(name: str, path: str | None) -> None:
@@ -65,7 +74,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
            zero: int | None = None, steps: int = 4, microbatches: int | None = None, schedule: str = "1f1b",
            model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
            backend: str = "gloo", timeout: float = 300.0, resume_from: str | None = None,
-           save_to: str | None = None, cp: int = 1) -> Report:
+           save_to: str | None = None, cp: int = 1, ep: int = 1, experts: int = 8) -> Report:
     """Train with ``minitp.parallel3d.Parallel3D`` on a dp × pp × tp mesh and report it against the
     three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
 
@@ -76,6 +85,9 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     save_to: save a sharded checkpoint after the last step.
     cp: context parallel inside each replica (``minitp.cp``): the mesh's dp dimension holds dp·cp
         ranks, each replica's rows split over cp along the sequence (pp = 1 and DDP only).
+    ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per block,
+        top-2, capacity factor 1.25), each run of ep consecutive dp ranks sharing one set of experts,
+        dp/ep copies of each expert; the rest data parallel over dp (tp = pp = 1, DDP only).
     """
     nproc = dp * cp * pp * tp if nproc is None else nproc
     train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
@@ -87,6 +99,14 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
             raise ValueError(f"cp={cp} composes with dp (DDP) and tp only: pp must be 1, without --fsdp or "
                              f"checkpoints (got pp={pp}, fsdp={fsdp})")
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
+    moe = None
+    if ep > 1:
+        if pp > 1 or tp > 1 or cp > 1 or fsdp or save_to or resume_from:
+            raise ValueError(f"ep={ep} composes with dp (DDP) only: tp and pp must be 1, without --cp, --fsdp or "
+                             f"checkpoints (got tp={tp}, pp={pp}, cp={cp}, fsdp={fsdp})")
+        layout.check_divisible("dp", dp, "ep", ep, ": each run of ep dp ranks shares one set of experts")
+        layout.check_divisible("experts", experts, "ep", ep, ": every rank holds experts/ep of them")
+        moe = moe_config(cfg, n_experts=experts)
     data_parallel = "fsdp" if fsdp else "ddp"
     zero = layout.check_zero(data_parallel, zero, pp)
     if fsdp and pp > 1 and schedule == "zb":
@@ -102,9 +122,13 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     if not start_step < steps:
         raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
     options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule, cp=cp)
+    if moe is not None:
+        options.update(ep=ep, moe=moe)
     results = launch(_3d_worker, nproc, model, train, {"dp": dp * cp, "pp": pp, "tp": tp}, options, start_step,
                      resume_from, save_to, backend=backend, timeout=timeout, echo=False)
     ran = steps - start_step
+    if moe is not None:
+        return _ep_report(moe, dp, ep, results, model, train)
     by_dim = []
     for r in results:
         d, s, _ = r["coords"]
@@ -136,12 +160,41 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to)
 
 
+def _ep_report(cfg: MoEConfig, dp: int, ep: int, results, model: str, train: TrainConfig) -> Report:
+    """A dp × ep run of the MoE model against one process, its bytes against ``cost.ep3d_run_bytes`` of
+    the routing each ep group's ranks reported, its memory against ``cost.ep_memory_per_rank``."""
+    steps = train.steps
+    replicated, _ = cost.moe_param_split(cfg)
+    expert_params = cost.ep_params_per_rank(cfg, ep) - replicated
+    by_dim, replicas = [], []
+    for first in range(0, dp, ep):  # one ep group: dp ranks first .. first+ep-1 (pp = tp = 1)
+        group = [results[r] for r in range(first, first + ep)]
+        counts = [[[g["kept"][s][layer] for g in group] for layer in range(cfg.n_layers)] for s in range(steps)]
+        by_dim += [cost.ep3d_run_bytes(counts, i, cfg.dim, replicated, expert_params, dp, ep) for i in range(ep)]
+        replicas.append(ep_full_state([{k: v for k, (v, _) in g["shards"].items()} for g in group]))
+    expected_memory = [cost.ep_memory_per_rank(cfg, ep, num_tensors=r["num_tensors"]) for r in results]
+    per_rank = [{**{k: v for k, v in r.items() if k != "shards"}, "state": replicas[r["coords"][0] // ep]}
+                for r in results]
+    ref_losses, ref_state, _ = moe_reference(cfg, train)
+    return build_report(
+        "3d", {"dp": dp, "tp": 1, "pp": 1, "ep": ep}, per_rank, results, model, train,
+        [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses, ref_state),
+        num_params=cfg.num_params(), start_step=0, comm_bytes_traced_by_dim=[_bytes_by_dim(t.events)
+                                                                               for t in results.traces],
+        comm_bytes_expected_by_dim=by_dim, data_parallel="ddp", end_step=steps,
+        coords=[r["coords"] for r in results], experts=cfg.n_experts, top_k=cfg.top_k,
+        params_per_rank=cost.ep_params_per_rank(cfg, ep))
+
+
 register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one mesh of dp*pp*tp ranks", (
     Option("dp", int, 2, "data-parallel replicas", low=1),
     Option("tp", int, 2, "tensor-parallel ranks per stage", low=1),
     Option("pp", int, 2, "pipeline stages", low=1),
     Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring (pp=1, DDP)",
            low=1),
+    Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
+           "(tp=pp=1, DDP)", low=1),
+    Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1),
     Option("fsdp", bool, False, "FSDP across replicas instead of DDP"),
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)", low=1,
