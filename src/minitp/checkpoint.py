@@ -139,11 +139,16 @@ def _remove_stale(path: str) -> None:
 
 def _local_pieces(par) -> list[LocalPiece]:
     """What this rank writes: its pieces; none for a DDP replica past the first, and no replicated
-    (tp-split None) parameter past the first tp rank."""
+    (tp-split None) parameter past the first tp rank. Under expert parallel the first ep group's
+    ranks hold every expert between them: each writes its own, the first also the rest. (Under
+    context parallel the dp·cp ranks of a tp slice hold the same tensors: the first writes.)"""
+    ep = getattr(par, "ep", 1)
     if par.fsdp is not None:
         pieces = par.fsdp.local_pieces(par.optimizer)
     elif par.mesh.coords.dp == 0:
         pieces = module_pieces(par.module, par.optimizer)
+    elif par.mesh.coords.dp < ep:
+        pieces = [p for p in module_pieces(par.module, par.optimizer) if ".experts." in p.name]
     else:
         return []
     return [p for p in pieces if par.split_dims[p.name] is not None or par.mesh.coords.tp == 0]
@@ -335,7 +340,8 @@ def check_fits(index: dict, path: str, config, whole_shapes: dict[str, tuple[int
     mine, saved = _config_dict(config), index.get("config") or {}
     differ = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
     if differ:
-        then, now = (", ".join(f"{k}={config.get(k)}" for k in differ) for config in (saved, mine))
+        then, now = (", ".join(f"{k}={config[k]}" if k in config else f"no {k}" for k in differ)
+                     for config in (saved, mine))
         raise CheckpointError(f"checkpoint {index_path} was saved from {then}, this model has {now}")
     missing, extra = sorted(set(whole_shapes) - set(index["shapes"])), sorted(set(index["shapes"]) - set(whole_shapes))
     if missing:

@@ -95,15 +95,15 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     layout.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
     if cp > 1:
-        if pp > 1 or fsdp or save_to or resume_from:
-            raise ValueError(f"cp={cp} composes with dp (DDP) and tp only: pp must be 1, without --fsdp or "
-                             f"checkpoints (got pp={pp}, fsdp={fsdp})")
+        if pp > 1 or fsdp:
+            raise ValueError(f"cp={cp} composes with dp (DDP) and tp only: pp must be 1, without --fsdp "
+                             f"(got pp={pp}, fsdp={fsdp})")
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
     moe = None
     if ep > 1:
-        if pp > 1 or tp > 1 or cp > 1 or fsdp or save_to or resume_from:
-            raise ValueError(f"ep={ep} composes with dp (DDP) only: tp and pp must be 1, without --cp, --fsdp or "
-                             f"checkpoints (got tp={tp}, pp={pp}, cp={cp}, fsdp={fsdp})")
+        if pp > 1 or tp > 1 or cp > 1 or fsdp:
+            raise ValueError(f"ep={ep} composes with dp (DDP) only: tp and pp must be 1, without --cp or --fsdp "
+                             f"(got tp={tp}, pp={pp}, cp={cp}, fsdp={fsdp})")
         layout.check_divisible("dp", dp, "ep", ep, ": each run of ep dp ranks shares one set of experts")
         layout.check_divisible("experts", experts, "ep", ep, ": every rank holds experts/ep of them")
         moe = moe_config(cfg, n_experts=experts)
@@ -128,7 +128,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
                      resume_from, save_to, backend=backend, timeout=timeout, echo=False)
     ran = steps - start_step
     if moe is not None:
-        return _ep_report(moe, dp, ep, results, model, train)
+        return _ep_report(moe, dp, ep, results, model, train, start_step, resume_from, save_to)
     by_dim = []
     for r in results:
         d, s, _ = r["coords"]
@@ -160,10 +160,11 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to)
 
 
-def _ep_report(cfg: MoEConfig, dp: int, ep: int, results, model: str, train: TrainConfig) -> Report:
+def _ep_report(cfg: MoEConfig, dp: int, ep: int, results, model: str, train: TrainConfig, start_step: int,
+               resume_from: str | None, save_to: str | None) -> Report:
     """A dp × ep run of the MoE model against one process, its bytes against ``cost.ep3d_run_bytes`` of
     the routing each ep group's ranks reported, its memory against ``cost.ep_memory_per_rank``."""
-    steps = train.steps
+    steps = train.steps - start_step
     replicated, _ = cost.moe_param_split(cfg)
     expert_params = cost.ep_params_per_rank(cfg, ep) - replicated
     by_dim, replicas = [], []
@@ -177,11 +178,12 @@ def _ep_report(cfg: MoEConfig, dp: int, ep: int, results, model: str, train: Tra
                 for r in results]
     ref_losses, ref_state, _ = moe_reference(cfg, train)
     return build_report(
-        "3d", {"dp": dp, "tp": 1, "pp": 1, "ep": ep}, per_rank, results, model, train,
-        [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses, ref_state),
-        num_params=cfg.num_params(), start_step=0, comm_bytes_traced_by_dim=[_bytes_by_dim(t.events)
-                                                                               for t in results.traces],
-        comm_bytes_expected_by_dim=by_dim, data_parallel="ddp", end_step=steps,
+        "3d", {"dp": dp, "tp": 1, "pp": 1, "ep": ep}, per_rank, results, model, replace(train, steps=steps),
+        [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses[start_step:], ref_state),
+        num_params=cfg.num_params(), start_step=start_step,
+        comm_bytes_traced_by_dim=[_bytes_by_dim(t.events) for t in results.traces],
+        comm_bytes_expected_by_dim=by_dim, data_parallel="ddp", end_step=train.steps, resumed_from=resume_from,
+        saved_to=save_to,
         coords=[r["coords"] for r in results], experts=cfg.n_experts, top_k=cfg.top_k,
         params_per_rank=cost.ep_params_per_rank(cfg, ep))
 
