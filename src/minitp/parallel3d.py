@@ -49,6 +49,7 @@ class Parallel3D:
     A dimension of size 1 is left out (no wrapper, no message).
 
     cp: context parallel inside each replica (the mesh's dp dimension holds dp·cp ranks, pp = 1, DDP).
+    schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP only.
     ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp ranks
     shares one set of experts (``ep.mesh_ep_groups``); ``ep.ExpertParallel`` then averages the
     replicated gradients over dp and each expert's over its dp/ep copies, in place of DDP (tp = pp = 1).
@@ -64,7 +65,7 @@ class Parallel3D:
 
     def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
-                 device: torch.device | str | None = None, cp: int = 1, ep: int = 1):
+                 device: torch.device | str | None = None, cp: int = 1, ep: int = 1, virtual_stages: int = 1):
         if data_parallel not in ("ddp", "fsdp"):
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
         self.zero = check_zero(data_parallel, zero, mesh.pp)
@@ -98,10 +99,21 @@ class Parallel3D:
         if isinstance(model.config, MoEConfig):
             loss = self.loss
             self.loss = lambda logits, targets: loss(logits, targets) + model.config.aux_loss_coef * aux_loss(model)
-        module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+        self.pipeline = interleaved = None
+        if mesh.pp > 1 and schedule == "interleaved":
+            # v chunks per rank, run by the pipeline itself; DDP only keeps the gradient buckets (under
+            # no_sync during the schedule, averaged after it), so no chunk needs to run through it
+            if data_parallel != "ddp":
+                raise ValueError("schedule='interleaved' composes with DDP only: FSDP gathers a unit's weights "
+                                 "through its own forward, and the pipeline runs each chunk directly")
+            interleaved = Pipeline(model, mesh.pp_group, schedule, microbatches, loss=self.loss,
+                                   virtual_stages=virtual_stages)
+            module = interleaved.module
+        else:
+            module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
-        stage = StageSpec.of(module) if mesh.pp > 1 else None
+        stage = StageSpec.of(module) if mesh.pp > 1 and interleaved is None else None
         self.module = module  # what this rank holds, under the plain model's names
         self.split_dims = split_dims(module)
         self.ddp = self.fsdp = None
@@ -113,7 +125,7 @@ class Parallel3D:
                 cp_model if cp_model is not None else module, mesh.dp_group, bucket_mb=bucket_mb)
         elif mesh.dp > 1:
             self.fsdp = self.step_model = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
-        self.pipeline = None
+        self.pipeline = interleaved
         if stage is not None:  # the pipeline calls the wrapper, computing in its dtype
             dtype = self.fsdp.compute_dtype if self.fsdp else stage.dtype
             stage = replace(stage, forward=self.step_model, dtype=dtype)

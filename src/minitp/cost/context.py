@@ -126,19 +126,21 @@ def cp3d_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, mesh_d
 
 def cp_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp: int, stage: int,
                        data_parallel: str = "ddp", zero: int = 3, activation_bytes: int = 4, param_bytes: int = 4,
-                       grad_bytes: int = 4, sequence_parallel: bool = False, recompute=False) -> dict[str, float]:
+                       grad_bytes: int = 4, sequence_parallel: bool = False, recompute=False,
+                       virtual_stages: int = 1) -> dict[str, float]:
     """Bytes per training step of a rank at ``stage`` of a dp·cp·pp·tp mesh, per dimension
     {"tp", "pp", "dp", "cp"} (what the planner and the time model count; cp = 1: ``threed_step_bytes``
     and no ring). A replica's B/dp rows at S/cp positions per rank move the activations of threed's
     B·cp rows over dp·cp replicas of sequences S/cp, and its gradients are averaged over those dp·cp
     ranks; the ring carries the stage's blocks' keys and values, Hkv/tp heads of B/dp rows."""
-    from minitp.cost.threed import threed_step_bytes
-    from minitp.layout import check_divisible, stage_num_blocks
+    from minitp.cost.threed import rank_num_blocks, threed_step_bytes
+    from minitp.layout import check_divisible
 
     check_divisible("seq_len", seq, "cp", cp)
     sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel, zero,
                              activation_bytes=activation_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                             sequence_parallel=sequence_parallel, recompute=recompute)
-    sent["cp"] = stage_num_blocks(cfg.n_layers, pp, stage) * cp_attention_bytes(
+                             sequence_parallel=sequence_parallel, recompute=recompute,
+                             virtual_stages=virtual_stages)
+    sent["cp"] = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages) * cp_attention_bytes(
         batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, activation_bytes)
     return sent

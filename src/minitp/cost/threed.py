@@ -16,7 +16,7 @@ from minitp.cost import (
 )
 from minitp.layout import check_divisible, stage_num_blocks
 
-__all__ = ["stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",
+__all__ = ["rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",
            "threed_memory_per_rank", "ep3d_run_bytes"]
 
 
@@ -33,32 +33,39 @@ __all__ = ["stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "
 #
 # A dimension of size 1 sends nothing (every formula above gives 0 at n = 1).
 
-def stage_unit_numels(cfg, tp: int, pp: int, stage: int) -> list[int]:
+def rank_num_blocks(n_layers: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
+    """Blocks the rank at pipeline position ``stage`` holds: its stage's, or with ``virtual_stages``
+    v > 1 (interleaved 1F1B) those of its v pieces stage, stage + pp, ... of the pp·v pieces."""
+    return sum(stage_num_blocks(n_layers, pp * virtual_stages, c * pp + stage) for c in range(virtual_stages))
+
+
+def stage_unit_numels(cfg, tp: int, pp: int, stage: int, virtual_stages: int = 1) -> list[int]:
     """Parameters a rank of stage ``stage`` holds, per FSDP unit (root first when it has any: the
-    embedding on the first stage, final norm and output layer on the last), after the tp split."""
+    embedding on the first stage, final norm and output layer on the last), after the tp split;
+    interleaved over ``virtual_stages`` chunks, the blocks of its pieces (``rank_num_blocks``)."""
     d, v = cfg.dim, cfg.vocab_size
     per_block = (cfg.num_params() - 2 * v * d - d) // cfg.n_layers  # its 2 norm weights included
     block = (per_block - 2 * d) // tp + 2 * d
     root = (v * d // tp if stage == 0 else 0) + (d + d * v // tp if stage == pp - 1 else 0)
-    return ([root] if root else []) + [block] * stage_num_blocks(cfg.n_layers, pp, stage)
+    return ([root] if root else []) + [block] * rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
 
 
-def stage_num_tensors(cfg, pp: int, stage: int) -> int:
+def stage_num_tensors(cfg, pp: int, stage: int, virtual_stages: int = 1) -> int:
     """Parameter tensors a rank of stage ``stage`` holds: 9 per block (wq wk wv wo w1 w2 w3 and two
     norms), the embedding on the first stage, the final norm and output layer on the last."""
-    return 9 * stage_num_blocks(cfg.n_layers, pp, stage) + (stage == 0) + 2 * (stage == pp - 1)
+    return 9 * rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages) + (stage == 0) + 2 * (stage == pp - 1)
 
 
-def threed_params_per_rank(cfg, tp: int, pp: int, stage: int) -> int:
+def threed_params_per_rank(cfg, tp: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
     """Ψ_rank: parameters a rank of stage ``stage`` holds under tp (before any data-parallel sharding)."""
-    return sum(stage_unit_numels(cfg, tp, pp, stage))
+    return sum(stage_unit_numels(cfg, tp, pp, stage, virtual_stages))
 
 
 def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stage: int, dp_rank: int = 0,
                       data_parallel: str = "ddp", zero: int = 3, steps: int = 1, activation_bytes: int = 4,
                       param_bytes: int = 4, grad_bytes: int = 4, start_up: bool = False,
                       state_dict: bool = False, sequence_parallel: bool = False,
-                      recompute: bool | str = False) -> dict[str, float]:
+                      recompute: bool | str = False, virtual_stages: int = 1) -> dict[str, float]:
     """Bytes a rank at (dp_rank, stage, ·) sends over ``steps`` steps, per dimension: {"tp","pp","dp"}.
 
     data_parallel: "ddp" (an all-reduce of the gradients; with ``start_up`` the first rank's
@@ -72,8 +79,8 @@ def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stag
     b, d = batch // dp, cfg.dim
     a = b * seq * d * activation_bytes
     first, last = stage == 0, stage == pp - 1
-    tp_bytes = stage_num_blocks(cfg.n_layers, pp, stage) * tp_block_bytes(b, seq, d, tp, sequence_parallel,
-                                                                           activation_bytes, recompute)
+    blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
+    tp_bytes = blocks * tp_block_bytes(b, seq, d, tp, sequence_parallel, activation_bytes, recompute)
     if first:  # the embedding's g (under sequence parallel: RS forward, AG backward, the same bytes)
         tp_bytes += collective_sent_bytes("all_reduce", a, tp)
     if last:  # the output layer's f, and the loss's max and (sum of exps, target logit), fp32
@@ -82,8 +89,8 @@ def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stag
             tp_bytes += collective_sent_bytes("all_reduce", d * activation_bytes, tp)
         tp_bytes += collective_sent_bytes("all_reduce", b * seq * 4, tp)
         tp_bytes += collective_sent_bytes("all_reduce", 2 * b * seq * 4, tp)
-    pp_bytes = pp_step_bytes(b, seq, d, pp, stage, activation_bytes)
-    numels = stage_unit_numels(cfg, tp, pp, stage)
+    pp_bytes = pp_step_bytes(b, seq, d, pp, stage, activation_bytes, virtual_stages)
+    numels = stage_unit_numels(cfg, tp, pp, stage, virtual_stages)
     if data_parallel == "ddp":
         dp_bytes = ddp_run_bytes(sum(numels), dp, steps, dp_rank, param_bytes, grad_bytes, start_up) / steps
     elif data_parallel == "fsdp":
@@ -94,13 +101,14 @@ def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stag
 
 
 def threed_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, data_parallel: str = "ddp",
-                           zero: int = 3, precision: str = "fp32") -> dict[str, float]:
+                           zero: int = 3, precision: str = "fp32", virtual_stages: int = 1) -> dict[str, float]:
     """Bytes a rank of stage ``stage`` holds in parameters, gradients and AdamW state: its own Ψ_rank,
     sharded over dp by FSDP (ZeRO ``zero``; units padded to a multiple of dp) or whole under DDP."""
+    v = virtual_stages
     if data_parallel == "fsdp" and dp > 1:
-        return fsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage), dp, zero, precision)
-    return memory_per_rank(threed_params_per_rank(cfg, tp, pp, stage), 1, zero=0, precision=precision,
-                           num_tensors=stage_num_tensors(cfg, pp, stage))
+        return fsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage, v), dp, zero, precision)
+    return memory_per_rank(threed_params_per_rank(cfg, tp, pp, stage, v), 1, zero=0, precision=precision,
+                           num_tensors=stage_num_tensors(cfg, pp, stage, v))
 
 
 # -- expert parallel on the mesh: a MoE model's experts over ep of the dp ranks ------------------------

@@ -25,8 +25,6 @@ import math
 import os
 from dataclasses import dataclass
 
-from minitp.layout import stage_num_blocks
-
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "calibration_path", "device_from_calibration",
            "load_calibration", "this_machine", "training_flops_per_token", "recompute_flops_per_token",
            "recompute_mode", "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
@@ -203,7 +201,7 @@ class StepTime:
 def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
               microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
               sequence_parallel: bool = False, recompute="none", overlap: bool = True,
-              buckets: int | None = None, cp: int = 1) -> StepTime:
+              buckets: int | None = None, cp: int = 1, virtual_stages: int = 1) -> StepTime:
     """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
@@ -221,10 +219,14 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     that hold the same weights; the ring's keys and values hide behind the attention compute
     they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
 
+    virtual_stages: interleaved 1F1B's v chunks per rank: the bubble shrinks to compute·(p-1)/(v·m),
+    and each micro-batch crosses v times as many boundaries (v times the pipeline's sends).
+
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute.
     """
     from minitp.cost.context import cp_mesh_step_bytes
+    from minitp.cost.threed import rank_num_blocks
     from minitp.layout import check_positive
 
     recompute = recompute_mode(recompute)
@@ -238,15 +240,18 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq / gpus, device, gpus)
     # the fixed cost of a step: each micro-batch pays it on its stage's share of the model
     compute += device.overhead_s * m / pp * _shared_cores(device, gpus)
-    bubble = compute * (pp - 1) / m
+    v = virtual_stages if pp > 1 else 1
+    check_positive("virtual_stages", v)
+    bubble = compute * (pp - 1) / (v * m)
     links = links_of_layout(dp, pp, tp, device, cp)
     worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0}
     sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp}
     for stage in range(pp):
         sent = cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, data_parallel, zero, activation_bytes=b,
-                                  param_bytes=b, grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute)
-        blocks = stage_num_blocks(cfg.n_layers, pp, stage)
-        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets)
+                                  param_bytes=b, grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute,
+                                  virtual_stages=v)
+        blocks = rank_num_blocks(cfg.n_layers, pp, stage, v)
+        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v)
         for dim in worst:
             link = links[dim]
             worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
@@ -267,15 +272,16 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
-                dp_bytes: float, buckets: int | None) -> dict[str, float]:
+                dp_bytes: float, buckets: int | None, virtual_stages: int = 1) -> dict[str, float]:
     """Message steps on the critical path per step, each costing α: an all-reduce over n ranks takes
     2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send 1.
     tp: per micro-batch 4 per block (6 with full recomputation), plus the embedding, output and loss's 3;
-    pp: m sends forward, m backward; dp: DDP's buckets, or FSDP's gathers and reduce-scatters per unit;
+    pp: m sends forward, m backward (v times that, interleaved); dp: DDP's buckets, or FSDP's gathers
+    and reduce-scatters per unit;
     cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward."""
     tp, pp, dp, cp = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1)
     per_block = 6 if recompute == "full" else 4
-    out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m if pp > 1 else 0, "dp": 0,
+    out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
            "cp": m * blocks * (3 * cp - 2) if cp > 1 else 0}
     if dp > 1:
         units = blocks + 1

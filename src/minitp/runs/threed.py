@@ -74,7 +74,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
            zero: int | None = None, steps: int = 4, microbatches: int | None = None, schedule: str = "1f1b",
            model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
            backend: str = "gloo", timeout: float = 300.0, resume_from: str | None = None,
-           save_to: str | None = None, cp: int = 1, ep: int = 1, experts: int = 8) -> Report:
+           save_to: str | None = None, cp: int = 1, ep: int = 1, experts: int = 8,
+           virtual_stages: int | None = None) -> Report:
     """Train with ``minitp.parallel3d.Parallel3D`` on a dp × pp × tp mesh and report it against the
     three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
 
@@ -85,6 +86,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     save_to: save a sharded checkpoint after the last step.
     cp: context parallel inside each replica (``minitp.cp``): the mesh's dp dimension holds dp·cp
         ranks, each replica's rows split over cp along the sequence (pp = 1 and DDP only).
+    schedule: "gpipe", "1f1b", "zb", or "interleaved" with ``virtual_stages`` chunks per rank
+        (default 2; DDP only).
     ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per block,
         top-2, capacity factor 1.25), each run of ep consecutive dp ranks sharing one set of experts,
         dp/ep copies of each expert; the rest data parallel over dp (tp = pp = 1, DDP only).
@@ -109,6 +112,15 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         moe = moe_config(cfg, n_experts=experts)
     data_parallel = "fsdp" if fsdp else "ddp"
     zero = layout.check_zero(data_parallel, zero, pp)
+    v = virtual_stages or (2 if schedule == "interleaved" else 1)
+    if v > 1:
+        if schedule != "interleaved":
+            raise ValueError(f"virtual_stages={v} is for schedule='interleaved', got schedule={schedule!r}")
+        if pp == 1 or fsdp:
+            raise ValueError(f"schedule='interleaved' needs pp > 1 and DDP (got pp={pp}, fsdp={fsdp})")
+        layout.stage_blocks(cfg.n_layers, pp * v)  # refuses more pieces than blocks, here in the parent
+    elif schedule == "interleaved":
+        raise ValueError("schedule='interleaved' needs virtual_stages >= 2 chunks per rank, got 1")
     if fsdp and pp > 1 and schedule == "zb":
         raise ValueError("schedule='zb' with fsdp: FSDP's gathered weights are views, and zero-bubble's W needs each "
                          "linear weight as a parameter of its own; use DDP (no --fsdp) or another schedule")
@@ -122,6 +134,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     if not start_step < steps:
         raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
     options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule, cp=cp)
+    if v > 1:
+        options["virtual_stages"] = v
     if moe is not None:
         options.update(ep=ep, moe=moe)
     results = launch(_3d_worker, nproc, model, train, {"dp": dp * cp, "pp": pp, "tp": tp}, options, start_step,
@@ -136,9 +150,9 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
             by_dim.append(cost.cp3d_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, d, steps=ran, start_up=True))
             continue
         by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
-                                             zero or 3, steps=ran, start_up=True, state_dict=True))
-    expected_memory = [cost.threed_memory_per_rank(cfg, dp, tp, pp, r["coords"][1], data_parallel, zero or 3)
-                       for r in results]
+                                             zero or 3, steps=ran, start_up=True, state_dict=True, virtual_stages=v))
+    expected_memory = [cost.threed_memory_per_rank(cfg, dp, tp, pp, r["coords"][1], data_parallel, zero or 3,
+                                                   virtual_stages=v) for r in results]
     traced_by_dim = [_bytes_by_dim(t.events) for t in results.traces]
     # the training steps alone, without DDP's start-up broadcast and FSDP's final gather (the planner's view)
     per_step_by_dim = [{dim: b / ran for dim, b in _bytes_by_dim(step_events(r, t)).items()}
@@ -156,7 +170,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses[start_step:], ref_state),
         start_step=start_step, comm_bytes_traced_by_dim=traced_by_dim, comm_bytes_expected_by_dim=by_dim,
         data_parallel=data_parallel, zero=zero, microbatches=microbatches if pp > 1 else None,
-        schedule=schedule if pp > 1 else None, end_step=steps, coords=[r["coords"] for r in results],
+        schedule=schedule if pp > 1 else None, virtual_stages=v if pp > 1 else None,
+        end_step=steps, coords=[r["coords"] for r in results],
         comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to)
 
 
@@ -201,7 +216,9 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)", low=1,
            optional=True),
-    Option("schedule", str, "1f1b", "pipeline schedule (interleaved: minitp run pp)", choices=("gpipe", "1f1b", "zb")),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb")),
+    Option("virtual_stages", int, None, "chunks per rank with --schedule interleaved (default 2)", low=1,
+           optional=True),
     Option("save_to", str, None, "save a sharded checkpoint into this folder after the last step", metavar="DIR"),
     Option("resume_from", str, None, "start from a checkpoint (any layout)", metavar="DIR"),
 ), common=tuple(replace(o, default=None, optional=True, help="number of processes (default dp*pp*tp)")
