@@ -226,3 +226,20 @@ def test_minitp_run_reports_its_predicted_step_next_to_the_measured_one(calibrat
     assert report.predicted_step_s == pytest.approx(cost.step_time(
         TINY, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", buckets=report["num_buckets"]).step_s)
     assert "predicted" in report.format() and report.to_dict()["predicted_step_s"] == report.predicted_step_s
+
+
+def test_chapter_06_arithmetic_intensity_and_the_overlap_budget_of_a_70b_block():
+    # a (m, k) @ (k, n) matmul in bf16: 2mkn FLOPs over (mk + kn + mn)·2 bytes
+    one_token = 2 * 8192 * 3584 / ((8192 + 8192 * 3584 + 3584) * 2)
+    assert cost.arithmetic_intensity(1, 8192, 3584) == pytest.approx(one_token)
+    assert round(cost.arithmetic_intensity(8192, 8192, 3584), 1) == 1911.5
+    assert cost.arithmetic_intensity(4096, 4096, 4096) == pytest.approx(4096 / 3)  # square: n/3 in bf16
+    per_block = (LLAMA3_70B.num_params() - 2 * LLAMA3_70B.vocab_size * 8192 - 8192) // 80
+    flops = 2 * per_block / 8 * 8192 + 4 * 8192 * 8192 * 8192 / 8
+    t = cost.compute_time(flops, cost.H100)
+    assert t == pytest.approx(flops / (989e12 * 0.6)) and round(t * 1e3, 1) == 3.4
+    assert cost.overlap_budget_bytes(t, cost.H100.intra) == pytest.approx(t * 450e9)
+    sent = cost.tp_block_bytes(1, 8192, 8192, 8, dtype_bytes=2) / 2  # forward: 2 all-reduces of (S, D) bf16
+    assert sent == pytest.approx(2 * 2 * 7 / 8 * 8192 * 8192 * 2)
+    assert round(sent / cost.overlap_budget_bytes(t, cost.H100.intra), 2) == 0.31
+    assert round(sent / cost.overlap_budget_bytes(t, cost.H100.inter), 2) == 2.75
