@@ -254,18 +254,12 @@ def tp_block_bytes(batch: int, seq: int, dim: int, tp: int, sequence_parallel: b
 def tp_step_bytes(cfg, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
                   dtype_bytes: int = 4) -> float:
     """One training step of the whole model (``cfg``: a ``ModelConfig``) under tensor parallel:
-    the blocks, the vocab-parallel embedding and output layer, and the vocab-parallel loss."""
-    a = batch * seq * cfg.dim * dtype_bytes
-    total = cfg.n_layers * tp_block_bytes(batch, seq, cfg.dim, tp, sequence_parallel, dtype_bytes)
-    if sequence_parallel:  # embedding: RS fwd, AG bwd; output: AG fwd, RS bwd; the final norm's gradient
-        total += 2 * (collective_sent_bytes("all_gather", a, tp) + collective_sent_bytes("reduce_scatter", a, tp))
-        total += collective_sent_bytes("all_reduce", cfg.dim * dtype_bytes, tp)
-    else:  # embedding: g fwd; output: f bwd
-        total += 2 * collective_sent_bytes("all_reduce", a, tp)
-    positions = batch * seq  # the loss: max, then (sum of exps, target logit), in fp32
-    total += collective_sent_bytes("all_reduce", positions * 4, tp)
-    total += collective_sent_bytes("all_reduce", 2 * positions * 4, tp)
-    return total
+    the blocks, the vocab-parallel embedding and output layer, and the vocab-parallel loss. The
+    3D formula's tp part with one stage that is first and last (``threed_step_bytes``)."""
+    from minitp.cost.threed import threed_step_bytes
+
+    return threed_step_bytes(cfg, batch, seq, 1, tp, 1, 0, activation_bytes=dtype_bytes,
+                             sequence_parallel=sequence_parallel)["tp"]
 
 
 def tp_run_bytes(cfg, batch: int, seq: int, tp: int, steps: int, sequence_parallel: bool = False,
