@@ -66,6 +66,7 @@ from minitp.pp_schedules import (
     make_schedule,
     one_f_one_b,
     peak_in_flight,
+    replay,
     simulate,
     splits_weight_gradient,
     zero_bubble_h1,
@@ -74,7 +75,7 @@ from minitp.pp_schedules import (
 __all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineStage", "Schedule", "StagePieces", "StageSpec", "StepRecord",
            "Timeline", "WeightGradients",
            "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
-           "peak_in_flight", "simulate", "split_microbatches", "splits_weight_gradient", "stage_blocks",
+           "peak_in_flight", "replay", "simulate", "split_microbatches", "splits_weight_gradient", "stage_blocks",
            "zero_bubble_h1"]
 
 

@@ -21,7 +21,8 @@ Four schedules, four pure functions of (p, m[, v]):
 
 ``simulate`` plays any of them with fixed times per action (no processes): it proves a table
 cannot deadlock and gives its ideal timeline; fed measured times, it draws what a deeper run would
-look like.
+look like. ``replay`` plays a measured run's own action times again with free messages, which
+splits its bubble into what the compute alone leaves and what the hand-over of messages adds.
 """
 
 from __future__ import annotations
@@ -185,14 +186,32 @@ def simulate(schedule: Schedule, forward_time: Times = 1.0, backward_time: Times
     and ``weight_time`` (half each when ``weight_time`` is None). Raises if the schedule deadlocks.
     """
     p = len(schedule)
-    v = max(chunks_of(a) for a in schedule)
-    last_piece = p * v - 1
     fwd, bwd, wgt = _per_rank(forward_time, p), _per_rank(backward_time, p), _per_rank(weight_time, p)
     cost = []
     for s in range(p):
         split = splits_weight_gradient(schedule[s])
         w = (bwd[s] / 2 if wgt[s] is None else wgt[s]) if split else 0.0
         cost.append({"F": fwd[s], "B": bwd[s] - w, "W": w})
+    return _play(schedule, lambda s, j, a: cost[s][a.kind])
+
+
+def replay(timelines: list[Timeline]) -> list[Timeline]:
+    """Play measured timelines again, each action as long as it took, with free messages and no
+    time between actions: the step as it would have gone had only compute taken time.
+
+    What it tells apart: the bubble of the replay holds the formula's bubble plus what unequal
+    stages and uneven actions (one micro-batch's backward slower than the next) add; the measured
+    bubble minus the replay's is the hand-over (messages, waits, the loop's own time)."""
+    schedule = [[a for a, _, _ in t] for t in timelines]
+    return _play(schedule, lambda s, j, a: timelines[s][j][2] - timelines[s][j][1])
+
+
+def _play(schedule: Schedule, duration: Callable[[int, int, Action], float]) -> list[Timeline]:
+    """Each rank runs its actions in order, action j of rank s lasting ``duration(s, j, action)``,
+    each as soon as the action it needs has ended (messages are free)."""
+    p = len(schedule)
+    v = max(chunks_of(a) for a in schedule)
+    last_piece = p * v - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, piece, microbatch) -> end time
     timelines: list[Timeline] = [[] for _ in range(p)]
     position, free = [0] * p, [0.0] * p
@@ -211,7 +230,7 @@ def simulate(schedule: Schedule, forward_time: Times = 1.0, backward_time: Times
                 if need is not None and need not in done:
                     break
                 start = max(free[s], done[need] if need else 0.0)
-                free[s] = start + cost[s][a.kind]
+                free[s] = start + duration(s, position[s], a)
                 done[(a.kind, k, a.microbatch)] = free[s]
                 timelines[s].append((a, start, free[s]))
                 position[s] += 1

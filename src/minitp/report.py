@@ -199,8 +199,13 @@ def format_report(report: Report | dict) -> str:
                       f"bubble (idle share of the step) measured {report['bubble_fraction_measured']:.3f}, "
                       f"expected {_BUBBLE_FORMULA.get(report.get('schedule'), '(p-1)/(m+p-1)')} = "
                       f"{report['bubble_fraction_expected']:.3f}; per rank "
-                  + ", ".join(f"{b:.3f}" for b in report["bubble_fraction_measured_per_rank"]),
-                  "peak micro-batches in flight per rank: "
+                  + ", ".join(f"{b:.3f}" for b in report["bubble_fraction_measured_per_rank"])]
+        if "bubble_fraction_compute_only" in report:  # where the excess over the formula comes from
+            expected, stages = report["bubble_fraction_expected"], report["bubble_fraction_stage_times"]
+            compute, measured_bubble = report["bubble_fraction_compute_only"], report["bubble_fraction_measured"]
+            lines.append(f"  of it: formula {expected:.3f}, unequal stages {stages - expected:+.3f}, uneven actions "
+                         f"{compute - stages:+.3f}, hand-over of messages {measured_bubble - compute:+.3f}")
+        lines += ["peak micro-batches in flight per rank: "
                   + ", ".join(str(p) for p in report["peak_microbatches_in_flight"])
                   + "  (formula " + ", ".join(str(p) for p in report["peak_microbatches_in_flight_expected"]) + ")"]
     measured = sorted(report.step_s)[len(report.step_s) // 2] if report.step_s else 0.0

@@ -40,6 +40,23 @@ def _pp_worker(model_name: str, train: TrainConfig, schedule: str, microbatches:
                           num_tensors=len(list(pipe.parameters())))
 
 
+def bubble_decomposition(timelines: list[pp.Timeline]) -> tuple[float, float]:
+    """One step's measured timelines (one per rank) played again with free messages, as two
+    bubbles (means over ranks) between the formula's and the measured one:
+
+    * stage times: every action of a rank as long as that rank's median action of its kind, so
+      what the unequal stages alone leave (the last one adds the output layer and the loss);
+    * compute only: every action as long as it took (``pp.replay``), so the stages plus uneven
+      actions; what the measured bubble has above it is the hand-over of messages and the loop.
+    """
+    medians = [{kind: statistics.median([e - s for a, s, e in t if a.kind == kind] or [0.0]) for kind in "FBW"}
+               for t in timelines]
+    stage_times = pp.simulate([[a for a, _, _ in t] for t in timelines], [m["F"] for m in medians],
+                              [m["B"] + m["W"] for m in medians], [m["W"] for m in medians])
+    return (statistics.fmean(pp.bubble_fraction(stage_times)),
+            statistics.fmean(pp.bubble_fraction(pp.replay(timelines))))
+
+
 def rank_blocks(n_layers: int, pp_size: int, virtual_stages: int = 1) -> list[list[range]]:
     """Per rank, the block ranges of its chunks: piece c·p + r of the p·v pieces for chunk c."""
     pieces = layout.stage_blocks(n_layers, pp_size * virtual_stages)  # refuses too many pieces
@@ -52,7 +69,10 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
     """Train with ``minitp.pp`` (``nproc`` stages, ``microbatches`` per step, GPipe, 1F1B, interleaved
     1F1B over ``virtual_stages`` chunks per rank, or zero-bubble ZB-H1) and report it against the
     three oracles, plus the bubble: measured (``minitp.pp.bubble_fraction``, the mean over ranks, the
-    median over the steps after the first) and expected (``cost.pp_bubble_fraction``)."""
+    median over the steps after the first) and expected (``cost.pp_bubble_fraction``), and between
+    them where the difference comes from (``bubble_decomposition``, medians over the same steps):
+    ``bubble_fraction_stage_times`` (unequal stages), ``bubble_fraction_compute_only`` (also uneven
+    actions); the measured bubble's excess over the latter is the hand-over of messages."""
     if schedule == "interleaved" and virtual_stages == 1:
         virtual_stages = 2  # interleaving means at least two chunks per rank
     train = check_run("pp", locals(), data_parallel=1)
@@ -73,6 +93,8 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
                                                num_tensors=results[s]["num_tensors"]) for s in range(nproc)]
     per_step = [pp.bubble_fraction([r["timelines"][k] for r in results]) for k in range(steps)]
     timed = per_step[1:] or per_step  # the first step also warms up (allocations, first messages)
+    decomposed = [bubble_decomposition([r["timelines"][k] for r in results]) for k in range(steps)]
+    decomposed = decomposed[1:] or decomposed
     last = [r["timelines"][-1] for r in results]
     t0 = min(t[0][1] for t in last)
     return build_report(
@@ -83,6 +105,8 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
         bubble_fraction_measured=statistics.median(statistics.fmean(b) for b in timed),
         bubble_fraction_measured_per_rank=[statistics.median(b[s] for b in timed) for s in range(nproc)],
         bubble_fraction_expected=cost.pp_bubble_fraction(nproc, microbatches, schedule, v),
+        bubble_fraction_stage_times=statistics.median(d[0] for d in decomposed),
+        bubble_fraction_compute_only=statistics.median(d[1] for d in decomposed),
         peak_microbatches_in_flight=[r["peak_in_flight"] for r in results],
         peak_microbatches_in_flight_expected=[cost.pp_peak_microbatches_in_flight(nproc, microbatches, s, schedule, v)
                                               for s in range(nproc)],
