@@ -252,6 +252,63 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return RingAttention.apply(q, k, v, group, seq_len, balanced, causal, label)
 
 
+# -- the other way: all-to-all (DeepSpeed-Ulysses) --------------------------------------------------
+def _heads_to_sequence(x: torch.Tensor, group, inverse: torch.Tensor, label: str) -> torch.Tensor:
+    """(B, Hx, Sl, Dh), every head at this rank's positions -> (B, Hx/n, S, Dh), this rank's n-th of
+    the heads at every position, in sequence order: chunk j of the heads goes to rank j."""
+    from minitp.ep import all_to_all_rows
+
+    n = comm.group_size(group)
+    B, Hx, Sl, Dh = x.shape
+    chunks = x.reshape(B, n, Hx // n, Sl, Dh).transpose(0, 1)  # (n, B, Hx/n, Sl, Dh): chunk j for rank j
+    got = all_to_all_rows(chunks, [1] * n, [1] * n, group, label)  # chunk i: rank i's positions, my heads
+    seq = got.permute(1, 2, 0, 3, 4).reshape(B, Hx // n, n * Sl, Dh)  # positions in rank order
+    return seq.index_select(2, inverse)
+
+
+def _sequence_to_heads(x: torch.Tensor, group, order: torch.Tensor, label: str) -> torch.Tensor:
+    """The inverse: (B, H/n, S, Dh) in sequence order -> (B, H, Sl, Dh) at this rank's positions."""
+    from minitp.ep import all_to_all_rows
+
+    n = comm.group_size(group)
+    B, Hn, S, Dh = x.shape
+    by_rank = x.index_select(2, order).reshape(B, Hn, n, S // n, Dh).permute(2, 0, 1, 3, 4)  # (n, B, H/n, Sl, Dh)
+    got = all_to_all_rows(by_rank, [1] * n, [1] * n, group, label)  # chunk j: rank j's heads, my positions
+    return got.transpose(0, 1).reshape(B, n * Hn, S // n, Dh)
+
+
+class UlyssesAttend:
+    """The all-to-all way to context parallel (DeepSpeed-Ulysses, Jacobs et al. 2023), in place of a
+    layer's ``attend``: an all-to-all turns (every head, S/n positions) into (H/n heads, every
+    position) for q, k and v; the layer's own attention runs on its heads over the whole sequence;
+    a last all-to-all turns the output back. Four all-to-alls forward, their four transposes
+    backward, each sending (n-1)/n of its tensor (``minitp.cost.ulysses_attention_bytes``): the
+    bytes shrink with n, where the ring's do not, but n can be at most the number of key/value heads.
+    ``inner``: the layer's own ``attend``, run on the gathered heads."""
+
+    def __init__(self, inner, group=None, balanced: bool = True):
+        self.inner, self.group, self.balanced = inner, group, balanced
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = comm.group_size(self.group)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
+                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+        for name, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
+            if heads % n:
+                raise ValueError(f"Ulysses splits the heads over cp: {heads} {name} heads are not divisible by "
+                                 f"cp={n}")
+        seq = q.shape[2] * n
+        order = torch.tensor([p for r in range(n) for p in layout.cp_positions(seq, n, r, self.balanced)],
+                             device=q.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(seq, device=q.device)
+        q, k, v = (_heads_to_sequence(t, self.group, inverse, f"cp/ulysses/{name}") for t, name in
+                   ((q, "q"), (k, "k"), (v, "v")))
+        out = self.inner(q, k, v)  # (B, H/n, S, Dh): the layer's own causal attention, on its heads
+        return _sequence_to_heads(out, self.group, order, "cp/ulysses/out")
+
+
 # -- the model under context parallel (from outside, the torchtitan way) -----------------------------
 class RingAttend:
     """What ``parallelize`` puts in place of a layer's ``attend`` (``minitp.models.llama.Attention``):
@@ -294,14 +351,23 @@ class ContextParallel(nn.Module):
         return model.output(model.norm(h))  # (B, Sl, V)
 
 
-def parallelize(model: nn.Module, group=None, balanced: bool = True) -> ContextParallel:
+ATTENTIONS = ("ring", "ulysses")
+
+
+def parallelize(model: nn.Module, group=None, balanced: bool = True, attention: str = "ring") -> ContextParallel:
     """Turn a ``Transformer`` (plain, or already tensor parallel) into its context-parallel form, in
-    place: each attention's ``attend`` becomes the ring; parameters and their names are unchanged.
-    Feed the result ``shard_sequence(tokens, group, balanced)``."""
+    place: each attention's ``attend`` becomes the ring (or, ``attention="ulysses"``, the
+    all-to-all of ``UlyssesAttend``); parameters and their names are unchanged. Feed the result
+    ``shard_sequence(tokens, group, balanced)``."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     comm.name_group(group, "cp", unless_named=True)
     n = comm.group_size(group)
-    for block in model.layers:
-        block.attention.attend = RingAttend(group, balanced and n > 1)  # this layer only: an instance attribute
+    for block in model.layers:  # this layer only: an instance attribute
+        if attention == "ring":
+            block.attention.attend = RingAttend(group, balanced and n > 1)
+        else:
+            block.attention.attend = UlyssesAttend(block.attention.attend, group, balanced and n > 1)
     return ContextParallel(model, group, balanced)
 
 

@@ -25,7 +25,7 @@ from minitp.cost.activations import block_activation_bytes
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
            "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
-           "cp3d_step_bytes", "cp_mesh_step_bytes"]
+           "cp3d_step_bytes", "cp_mesh_step_bytes", "ulysses_attention_bytes"]
 
 
 def cp_kv_block_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4) -> float:
@@ -43,17 +43,36 @@ def cp_attention_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: i
     return (cp - 1) * kv2 + (((cp - 1) + cp) * kv2 if backward else 0.0)
 
 
-def cp_step_bytes(cfg, batch: int, seq: int, cp: int, dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
-    """Bytes one rank sends in one training step, by kind: {"ring": the attention of every layer,
-    "grads": the all-reduce of every gradient over the cp group}."""
-    ring = cfg.n_layers * cp_attention_bytes(batch, seq, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
-    return {"ring": ring, "grads": collective_sent_bytes("all_reduce", cfg.num_params() * grad_bytes, cp)}
+def ulysses_attention_bytes(batch: int, seq: int, n_heads: int, kv_heads: int, head_dim: int, cp: int,
+                            dtype_bytes: int = 4, backward: bool = True) -> float:
+    """Bytes one rank sends for one attention call under Ulysses (``minitp.cp.UlyssesAttend``): four
+    all-to-alls forward, q, k, v heads to sequence and the output back, each of a tensor of
+    B·(S/c)·Hx·Dh elements (Hx = H for q and the output, Hkv for k and v), of which (c-1)/c leaves
+    the rank; backward sends each transposed once more."""
+    if cp == 1:
+        return 0.0
+    elements = batch * (seq / cp) * head_dim * (2 * n_heads + 2 * kv_heads)
+    return elements * dtype_bytes * (cp - 1) / cp * (2 if backward else 1)
 
 
-def cp_run_bytes(cfg, batch: int, seq: int, cp: int, steps: int, dtype_bytes: int = 4) -> float:
+def cp_step_bytes(cfg, batch: int, seq: int, cp: int, dtype_bytes: int = 4, grad_bytes: int = 4,
+                  attention: str = "ring") -> dict[str, float]:
+    """Bytes one rank sends in one training step, by kind: {"ring": the attention of every layer
+    (the ring's, or with ``attention="ulysses"`` the all-to-alls'), "grads": the all-reduce of
+    every gradient over the cp group}."""
+    if attention == "ulysses":
+        per_layer = ulysses_attention_bytes(batch, seq, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
+    else:
+        per_layer = cp_attention_bytes(batch, seq, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
+    return {"ring": cfg.n_layers * per_layer,
+            "grads": collective_sent_bytes("all_reduce", cfg.num_params() * grad_bytes, cp)}
+
+
+def cp_run_bytes(cfg, batch: int, seq: int, cp: int, steps: int, dtype_bytes: int = 4,
+                 attention: str = "ring") -> float:
     """Bytes one rank sends over ``steps`` training steps of ``minitp run cp`` (no start-up
     broadcast: every rank builds the same model from the same seed)."""
-    return steps * sum(cp_step_bytes(cfg, batch, seq, cp, dtype_bytes).values())
+    return steps * sum(cp_step_bytes(cfg, batch, seq, cp, dtype_bytes, attention=attention).values())
 
 
 def cp_memory_per_rank(cfg, cp: int, precision: str = "fp32", num_tensors: int = 0) -> dict[str, float]:

@@ -120,6 +120,8 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
         return None, "the MLP alone is not a whole model; the time model predicts whole models"
     if strategy == "ep" or layout.get("ep", 1) > 1:
         return None, "the time model predicts dense models; a MoE's all-to-alls are not in it yet"
+    if details.get("attention") == "ulysses":
+        return None, "the time model counts context parallel as a ring; Ulysses' all-to-alls are not in it"
     if strategy not in ("ddp", "fsdp", "tp", "pp", "3d", "cp"):
         return None, f"the time model (minitp.cost.step_time) does not cover {strategy} yet"
     zero = details.get("zero") or 3
