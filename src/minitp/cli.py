@@ -7,7 +7,8 @@
     minitp run pp --nproc 4 [--microbatches M] [--schedule gpipe|1f1b] [--steps K] [--json PATH]
     minitp run 3d --dp 2 --tp 2 --pp 2 [--fsdp [--zero Z]] [--save-to DIR] [--resume-from DIR]
     minitp plan --model llama3-8b --gpus 64 --gpu-memory 80      (the layouts that fit; no run)
-        [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100]
+        [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100] [--cp C]
+    minitp plan --model mixtral-8x7b --gpus 64 --gpu-memory 80 --ep 8   (a MoE: experts over ep GPUs)
     minitp calibrate                                              (this machine, for predicted step times)
 
 trains the tiny model with a strategy on N local processes, checks it against the one-process
@@ -73,42 +74,44 @@ def _run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from minitp import plan
-    from minitp.models import get_config
+    from minitp.models import MOE_PRESETS, get_config
 
     for flag, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory)):
         if value is None:
             raise ValueError(f"{flag} is required: minitp plan --model llama3-8b --gpus 64 --gpu-memory 80")
     _check_output_file("--json", args.json)
 
-    cfg = get_config("tiny" if args.model == "custom" else args.model)
+    cfg = MOE_PRESETS.get(args.model) or get_config("tiny" if args.model == "custom" else args.model)
     sizes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")}
     cfg = cfg.with_(**{k: v for k, v in sizes.items() if v is not None})
     if args.recompute and args.selective_recompute:
         raise ValueError("--recompute (full) and --selective-recompute exclude each other: choose one")
-    from minitp.cost import DEVICES
+    from minitp.cost import DEVICES, active_params
 
     recompute = "full" if args.recompute else "selective" if args.selective_recompute else "none"
     options = dict(flash_attention=args.flash_attention, recompute=recompute,
-                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device], cp=args.cp)
+                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device], cp=args.cp, ep=args.ep)
     rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                      "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=args.all, **options)
-    title = (f"minitp plan: {args.model} ({cfg.num_params() / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
-             f"{args.gpu_memory:g} GiB" + (f", sequences split over cp = {args.cp}" if args.cp > 1 else ""))
+    active = f", {active_params(cfg) / 1e9:.2f} B active" if hasattr(cfg, "n_experts") else ""
+    title = (f"minitp plan: {args.model} ({cfg.num_params() / 1e9:.2f} B parameters{active}) on {args.gpus} GPUs of "
+             f"{args.gpu_memory:g} GiB" + (f", sequences split over cp = {args.cp}" if args.cp > 1 else "")
+             + (f", experts split over ep = {args.ep}" if args.ep > 1 else ""))
     if not any(r["fits"] for r in rows):  # say so, and show how far each layout is from fitting
         rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                          "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=True, **options)
         title += "\nno layout fits; every possible one, with what it would need:"
     print(plan.format_plan(rows, title))
     if args.json:
-        _write_json({"model": args.model, "num_params": cfg.num_params(), "gpus": args.gpus,
-                     "gpu_memory_gib": args.gpu_memory, "layouts": rows}, args.json)
+        _write_json({"model": args.model, "num_params": cfg.num_params(), "active_params": active_params(cfg),
+                     "gpus": args.gpus, "gpu_memory_gib": args.gpu_memory, "layouts": rows}, args.json)
     return 0 if any(r["fits"] for r in rows) else 1
 
 
 # `minitp plan`'s options, checked like a strategy's (it runs nothing, so no COMMON ones)
 PLAN_OPTIONS = (
     Option("model", str, "llama3-8b", "preset, or 'custom' with the sizes below",
-           choices=("tiny", "llama3-8b", "llama3-70b", "custom")),
+           choices=("tiny", "llama3-8b", "llama3-70b", "mixtral-8x7b", "custom")),
     Option("gpus", int, None, "number of GPUs", low=1, optional=True),
     Option("gpu_memory", float, None, "memory per GPU in GiB", above=0, optional=True),
     Option("gpus_per_node", int, 8, "GPUs per machine (tp stays inside one)", low=1),
@@ -124,6 +127,8 @@ PLAN_OPTIONS = (
     Option("device", str, "h100", "whose FLOP/s and links time the step", choices=("h100", "a100")),
     Option("cp", int, 1, "context parallel: each sequence split over cp GPUs (ring attention); "
            "the layouts are those of gpus/cp", low=1),
+    Option("ep", int, 1, "expert parallel (a MoE model, e.g. mixtral-8x7b): its experts split over ep of the "
+           "data-parallel GPUs; ep divides n_experts and dp·cp", low=1),
     Option("flash_attention", bool, True, "count the stored attention scores", negate=True),
     *(Option(name, int, None, "override the preset's size", low=1, optional=True)
       for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")),
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         one.add_argument("--json", metavar="PATH", help="also write the report as JSON")
         one.set_defaults(func=_run, options=strategy.all_options())
 
-    pl = sub.add_parser("plan", help="the dp x pp x tp layouts of N GPUs that fit a model (from minitp.cost)")
+    pl = sub.add_parser("plan", help="the dp x pp x tp layouts of N GPUs that fit a model (from minitp.cost); "
+                                     "--cp splits sequences, --ep a MoE's experts")
     for option in PLAN_OPTIONS:
         _add_option(pl, option)
     pl.add_argument("--json", metavar="PATH", help="also write the layouts as JSON")

@@ -16,6 +16,11 @@ For each layout the planner takes the worst rank (the stage that holds or sends 
 * the pipeline bubble (p-1)/(m+p-1);
 * the predicted step time and MFU on a device (``minitp.cost.step_time``: H100 by default).
 
+A mixture of experts (``minitp.models.moe``, e.g. ``mixtral-8x7b``) can split its experts over ep of
+the data-parallel GPUs (expert parallel, ``ep``, as Megatron and DeepSpeed do: the ep group lies inside
+the dp·cp ranks that hold the same dense weights); its all-to-alls are a fifth dimension of bytes, and
+its FLOPs (so step time and MFU) count the parameters a token goes through, k of the E experts.
+
 A layout is listed when tp divides the heads, key/value heads, MLP width and vocabulary, tp fits in
 a machine (``gpus_per_node``), pp is at most the number of blocks and the batch splits over dp. The
 layouts that fit come first, fastest predicted step first.
@@ -35,16 +40,37 @@ GIB = 2**30
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
                 micro_batch: int = 1, flash_attention: bool = True, recompute=False,
-                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1) -> dict:
+                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1) -> dict:
     """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one layout,
     from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or True / "full".
     cp: context parallel, each sequence split over cp GPUs (ring attention; dp·cp·pp·tp GPUs in all):
     activations of S/cp positions, the ring's key/value bytes, states sharded over dp·cp by ZeRO.
+
+    A MoE model (``MoEConfig``) has an "ep" entry in ``bytes_per_step``; ep: its experts split over ep
+    of the dp·cp ranks that hold the same dense weights (ep divides dp·cp, and n_experts; dp·cp·pp·tp
+    GPUs still). With Ψ_d the dense parameters of the stage (attention, router, norms, embedding and
+    output) and Ψ_e its experts, after tp, and T = (B/dp)·(S/cp) the rank's tokens per step:
+
+    * states: Ψ_d as a dense model's, ZeRO-sharded over dp·cp, plus Ψ_e/ep sharded over the expert's
+      dp·cp/ep copies (``cost.ep_mesh_memory_per_rank``; whole under DDP);
+    * activations: each block's MLP share replaced by the MoE layer's k·T assignments, each keeping its
+      dispatched row and output (D each) and the expert's four tensors of Fe/tp
+      (``cost.moe_block_activation_bytes``);
+    * bytes: "ep", per MoE layer of the stage, the dispatch, combine and their gradients,
+      4·k·T·(ep-1)/ep·D·b (``cost.moe_all_to_all_bytes``, even routing); "dp", Ψ_d's gradients over
+      dp·cp and Ψ_e/ep's over dp·cp/ep (``cost.ep_mesh_step_bytes``);
+    * time: 6 FLOPs per active parameter and token, plus attention's; the all-to-alls, never hidden,
+      on NVLink when the ep group (ep·pp·tp consecutive GPUs) fits in a machine.
+
     Raises ``ValueError`` for a layout the model or the batch cannot take."""
     check_3d_layout(cfg, dp, pp, tp)
     check_positive("cp", cp)
     if cp > 1:  # zig-zag chunks: 2·cp pieces of the sequence, two per rank
         check_divisible("seq_len", seq_len, "2·cp", 2 * cp)
+    moe = check_ep(cfg, ep)
+    if moe:
+        check_divisible("expert_hidden", cfg.expert_hidden, "tp", tp)
+        check_divisible("dp·cp", dp * cp, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
     if batch_size % (dp * micro_batch):
         raise ValueError(f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
                          f"of {micro_batch}")
@@ -54,39 +80,61 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     b = 2 if precision in ("bf16", "fp16") else 4
     stages = []
     for s in range(pp):
-        # the dp·cp ranks holding the same weights share their states (ZeRO) and average gradients
-        states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, data_parallel, zero or 3, precision)
-        activations = cost.activation_bytes_per_rank(cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp,
-                                                     s, microbatches, b, flash_attention, recompute,
-                                                     sequence_parallel)
-        sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, data_parallel, zero or 3,
-                                       activation_bytes=b, param_bytes=b, grad_bytes=b,
-                                       sequence_parallel=sequence_parallel, recompute=recompute)
+        # the dp·cp ranks holding the same weights share their states (ZeRO) and average gradients;
+        # with ep > 1 an expert's, only its dp·cp/ep copies
+        if ep > 1:
+            states = cost.ep_mesh_memory_per_rank(cfg, dp * cp, tp, pp, s, ep, data_parallel, zero or 3, precision)
+        else:
+            states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, data_parallel, zero or 3, precision)
+        activation_bytes = cost.moe_activation_bytes_per_rank if moe else cost.activation_bytes_per_rank
+        activations = activation_bytes(cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp, s, microbatches,
+                                       b, flash_attention, recompute, sequence_parallel)
+        kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b, grad_bytes=b,
+                    sequence_parallel=sequence_parallel, recompute=recompute)
+        if moe:
+            sent = cost.ep_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, ep, **kept)
+        else:
+            sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, **kept)
         stages.append((states, activations, sent))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
     states, activations = stages[worst][0], stages[worst][1]
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
-                          precision, sequence_parallel, recompute, cp=cp)
+                          precision, sequence_parallel, recompute, cp=cp, ep=ep)
+    dims = ("tp", "pp", "dp", "cp") + (("ep",) if moe else ())
     return {
-        "dp": dp, "pp": pp, "tp": tp, "cp": cp, "data_parallel": data_parallel, "zero": zero, "precision": precision,
+        "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "data_parallel": data_parallel, "zero": zero,
+        "precision": precision,
         "sequence_parallel": sequence_parallel, "recompute": recompute,
         "microbatches": microbatches, "worst_stage": worst,
         "memory": {**states, "activations": activations},  # of the worst stage
         "memory_states": max(cost.total_memory(st[0]) for st in stages),  # the most any rank holds
         "memory_total": cost.total_memory(states) + activations,
-        "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in ("tp", "pp", "dp", "cp")},
+        "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in dims},
         "bubble_fraction": cost.pp_bubble_fraction(pp, microbatches),
         "device": device.name, "time": asdict(time), "step_s": time.step_s, "mfu": time.mfu,
     }
+
+
+def check_ep(cfg: ModelConfig, ep: int) -> bool:
+    """Refuse an ep the model cannot take (not a size; > 1 for a dense model; not dividing n_experts);
+    True when ``cfg`` is a MoE."""
+    check_positive("ep", ep)
+    moe = hasattr(cfg, "n_experts")
+    if ep > 1 and not moe:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model (a MoEConfig, e.g. --model mixtral-8x7b), "
+                         f"got a dense {type(cfg).__name__}")
+    if moe:
+        check_divisible("n_experts", cfg.n_experts, "ep", ep)
+    return moe
 
 
 def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, batch_size: int | None = None,
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
          precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
          include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100,
-         cp: int = 1) -> list[dict]:
+         cp: int = 1, ep: int = 1) -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
@@ -94,6 +142,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
     ``minitp.cost.activation_bytes_per_rank``; device: whose FLOP/s and links time the step;
     cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``).
+    ep: expert parallel degree of a MoE model, fixed: the layouts whose dp·cp it divides.
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
@@ -101,6 +150,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
         raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
     check_positive("cp", cp)
     check_divisible("gpus", gpus, "cp", cp)
+    if check_ep(cfg, ep):
+        check_divisible("gpus", gpus, "ep", ep, ": the experts are split over ep of the data-parallel GPUs")
     batch_size = batch_size or gpus // cp
     seq_len = seq_len or cfg.max_seq_len
     if cp > 1:
@@ -112,7 +163,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
             continue  # a tensor-parallel group stays inside one machine
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
-                              flash_attention, recompute, sequence_parallel, device, cp)
+                              flash_attention, recompute, sequence_parallel, device, cp, ep)
         except ValueError:
             continue
         row["fits"] = row["memory_total"] <= gpu_memory_gib * GIB
@@ -120,29 +171,34 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
             rows.append(row)
     # fitting first; then the fastest predicted step, then fewest bytes between machines (pp and dp)
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 12),
-                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"] + r["bytes_per_step"]["cp"],
+                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"] + r["bytes_per_step"]["cp"]
+                             + r["bytes_per_step"].get("ep", 0.0),
                              r["bytes_per_step"]["tp"]))
     return rows
 
 
 def format_plan(rows: list[dict], title: str = "") -> str:
     """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column and
-    the ring's bytes when the layouts split sequences)."""
+    the ring's bytes when the layouts split sequences; an ep column and the all-to-alls' bytes when
+    they split experts)."""
     lines = [title] if title else []
     if not rows:
         return "\n".join(lines + ["no layout of these GPUs is possible for this model and batch"])
     cp = any(r.get("cp", 1) > 1 for r in rows)
-    lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} " + (f"{'cp':>3} " if cp else "") + f"{'zero':>4}  "
-                 f"{'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}  {'tp MiB/step':>11} {'pp MiB/step':>11} "
-                 f"{'dp MiB/step':>11}  " + (f"{'cp MiB/step':>11}  " if cp else "")
-                 + f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
+    ep = any(r.get("ep", 1) > 1 for r in rows)
+    lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} " + (f"{'cp':>3} " if cp else "") + (f"{'ep':>3} " if ep else "")
+                 + f"{'zero':>4}  {'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}  {'tp MiB/step':>11} "
+                 f"{'pp MiB/step':>11} {'dp MiB/step':>11}  " + (f"{'cp MiB/step':>11}  " if cp else "")
+                 + (f"{'ep MiB/step':>11}  " if ep else "") + f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
     for r in rows:
         b = r["bytes_per_step"]
         lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} " + (f"{r['cp']:>3} " if cp else "")
+                     + (f"{r.get('ep', 1):>3} " if ep else "")
                      + f"{r['zero'] if r['zero'] is not None else '-':>4}  "
                      f"{r['memory_states'] / GIB:>10.2f} {r['memory']['activations'] / GIB:>10.2f} "
                      f"{r['memory_total'] / GIB:>9.2f}  {b['tp'] / 2**20:>11.1f} {b['pp'] / 2**20:>11.1f} "
                      f"{b['dp'] / 2**20:>11.1f}  " + (f"{b['cp'] / 2**20:>11.1f}  " if cp else "")
+                     + (f"{b.get('ep', 0.0) / 2**20:>11.1f}  " if ep else "")
                      + f"{r['bubble_fraction']:>6.3f}  {r['step_s']:>7.2f} "
                      f"{r['mfu']:>5.1%}  {'yes' if r['fits'] else 'no'}")
     lines.append("states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
@@ -152,19 +208,23 @@ def format_plan(rows: list[dict], title: str = "") -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The same layouts as a Markdown table (a cp column when the layouts split sequences)."""
+    """The same layouts as a Markdown table (a cp column when the layouts split sequences, an ep column
+    when they split experts)."""
     cp = any(r.get("cp", 1) > 1 for r in rows)
-    head = ("| dp | pp | tp | " + ("cp | " if cp else "") + "ZeRO | states GiB | activations GiB | total GiB "
-            "| tp MiB/step | pp MiB/step | dp MiB/step | " + ("cp MiB/step | " if cp else "") + "bubble | step s "
-            "| MFU | fits |")
-    lines = [head, "|" + "---:|" * (13 + 2 * cp) + ":---:|"]
+    ep = any(r.get("ep", 1) > 1 for r in rows)
+    head = ("| dp | pp | tp | " + ("cp | " if cp else "") + ("ep | " if ep else "") + "ZeRO | states GiB "
+            "| activations GiB | total GiB | tp MiB/step | pp MiB/step | dp MiB/step | "
+            + ("cp MiB/step | " if cp else "") + ("ep MiB/step | " if ep else "") + "bubble | step s | MFU | fits |")
+    lines = [head, "|" + "---:|" * (13 + 2 * cp + 2 * ep) + ":---:|"]
     for r in rows:
         b = r["bytes_per_step"]
         lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | " + (f"{r['cp']} | " if cp else "")
+                     + (f"{r.get('ep', 1)} | " if ep else "")
                      + f"{r['zero'] if r['zero'] is not None else '-'} | "
                      f"{r['memory_states'] / GIB:.2f} | {r['memory']['activations'] / GIB:.2f} | "
                      f"{r['memory_total'] / GIB:.2f} | {b['tp'] / 2**20:.1f} | {b['pp'] / 2**20:.1f} | "
                      f"{b['dp'] / 2**20:.1f} | " + (f"{b['cp'] / 2**20:.1f} | " if cp else "")
+                     + (f"{b.get('ep', 0.0) / 2**20:.1f} | " if ep else "")
                      + f"{r['bubble_fraction']:.3f} | {r['step_s']:.2f} | {r['mfu']:.1%} | "
                      f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)

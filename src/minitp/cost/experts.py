@@ -16,6 +16,10 @@ Per MoE layer and training step, rank r sends (all-to-all: every row but those a
 so 2 · D · b · (out_r + in_r) + 8E(n-1)/n, with out_r and in_r the rows it sends and receives. Routing
 that spreads k·T tokens evenly sends k·T·(n-1)/n rows each way: that is the at-scale estimate. Then the
 replicated parameters' gradients, one all-reduce of 4 Ψ_replicated bytes: 2(n-1)/n of it.
+
+For the planner (``minitp plan --ep``), the same at scale on a dp·cp·pp·tp mesh: ``ep_mesh_step_bytes``,
+``ep_mesh_memory_per_rank`` and ``moe_activation_bytes_per_rank``; training FLOPs count the
+``active_params`` (k of the E experts per layer).
 """
 
 from __future__ import annotations
@@ -93,5 +97,136 @@ def moe_all_to_all_bytes(tokens: int, dim: int, top_k: int, ep: int, dispatch_by
     return out
 
 
+def active_params(cfg) -> int:
+    """Parameters one token goes through: all of a dense model's; a MoE's replicated ones and k of the E
+    experts of each layer (Mixtral 8x7B: 12.9 of 46.7 B). Training FLOPs count these (6 per token)."""
+    if not hasattr(cfg, "n_experts"):
+        return cfg.num_params()
+    return cfg.num_params() - cfg.n_layers * (cfg.n_experts - cfg.top_k) * cfg.expert_params()
+
+
+# -- expert parallel on a dp·cp·pp·tp mesh (the planner) ------------------------------------------------
+# ep consecutive ranks of the data-parallel dimension (dp·cp ranks hold the same dense weights) form an
+# ep group, each holding E/ep of every layer's experts; the ranks at the same place in each group hold
+# the same experts: dp·cp/ep copies (the expert-dp group), which average (or ZeRO-shard) their
+# gradients and states among themselves, as the dense part does over all dp·cp. tp splits each expert
+# like the dense MLP (Fe/tp of its width on each tp rank): a tp rank dispatches whole token rows (D)
+# and combines its partial outputs before the MLP's usual all-reduce over tp, so tp's bytes are a
+# dense model's and every tp rank sends the same all-to-all bytes (sequence parallel not exploited).
+
+def ep_stage_unit_numels(cfg, tp: int, pp: int, stage: int, ep: int,
+                         virtual_stages: int = 1) -> tuple[list[int], list[int]]:
+    """(dense units, expert units) of a rank of stage ``stage``: ``stage_unit_numels`` with each block's
+    E experts taken out of it (attention, router and norms stay: replicated over dp·cp), and per block
+    the E/ep experts of its ep rank, Fe/tp of each one's width: (E/ep)·3·D·Fe/tp parameters."""
+    from minitp.cost.threed import rank_num_blocks, stage_unit_numels
+
+    check_divisible("n_experts", cfg.n_experts, "ep", ep)
+    check_divisible("expert_hidden", cfg.expert_hidden, "tp", tp)
+    units = stage_unit_numels(cfg, tp, pp, stage, virtual_stages)
+    blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
+    every = cfg.n_experts * cfg.expert_params() // tp  # all E experts of a block, this tp rank's slice
+    head = units[:len(units) - blocks]  # the root unit, if this stage has one
+    return head + [u - every for u in units[len(units) - blocks:]], [every // ep] * blocks
+
+
+def ep_mesh_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, ep: int, data_parallel: str = "ddp",
+                            zero: int = 3, precision: str = "fp32", virtual_stages: int = 1) -> dict[str, float]:
+    """Bytes a rank holds in parameters, gradients and AdamW state when ``dp`` ranks share the dense
+    weights and ep of them split the experts: the dense units as ``threed_memory_per_rank`` over dp, plus
+    its E/ep experts, sharded by FSDP (ZeRO ``zero``) over their dp/ep copies, whole under DDP. DDP's
+    step counters: per block 7 dense tensors (wq wk wv wo, router, two norms) and 3·E/ep expert ones."""
+    from minitp.cost import fsdp_memory_per_rank
+    from minitp.cost.threed import rank_num_blocks, stage_num_tensors
+
+    check_divisible("dp", dp, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
+    dense, experts = ep_stage_unit_numels(cfg, tp, pp, stage, ep, virtual_stages)
+    blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
+    tensors = (stage_num_tensors(cfg, pp, stage, virtual_stages) - 2 * blocks, 3 * cfg.n_experts // ep * blocks)
+    held = []
+    for units, n, count in ((dense, dp, tensors[0]), (experts, dp // ep, tensors[1])):
+        if data_parallel == "fsdp" and n > 1:
+            held.append(fsdp_memory_per_rank(units, n, zero, precision))
+        else:
+            held.append(memory_per_rank(sum(units), 1, zero=0, precision=precision, num_tensors=count))
+    return {k: held[0][k] + held[1][k] for k in held[0]}
+
+
+def ep_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp: int, stage: int, ep: int,
+                       data_parallel: str = "ddp", zero: int = 3, activation_bytes: int = 4, param_bytes: int = 4,
+                       grad_bytes: int = 4, sequence_parallel: bool = False, recompute=False,
+                       virtual_stages: int = 1) -> dict[str, float]:
+    """Bytes per training step of a rank at ``stage`` of a MoE on a dp·cp·pp·tp mesh whose experts are
+    split over ep of the dp·cp ranks, per dimension {"tp", "pp", "dp", "cp", "ep"}:
+
+    * tp, pp, cp: ``cp_mesh_step_bytes`` (a MoE block moves the activations a dense one does);
+    * ep: per MoE layer of the stage, ``moe_all_to_all_bytes`` of the rank's T = (B/dp)·(S/cp) tokens,
+      forward and backward: 4·k·T·(ep-1)/ep·D·b (counts left out);
+    * dp: the dense units' gradients over the dp·cp ranks, the experts' over their dp·cp/ep copies
+      (DDP: all-reduces; FSDP: ZeRO ``zero``'s gathers and reduce-scatters, experts never the root).
+    ep = 1: every rank holds every expert, ``cp_mesh_step_bytes`` and no all-to-all."""
+    from minitp.cost import ddp_step_bytes, fsdp_step_bytes
+    from minitp.cost.context import cp_mesh_step_bytes
+    from minitp.cost.threed import rank_num_blocks
+
+    n = dp * cp
+    check_divisible("dp·cp", n, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
+    sent = cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, data_parallel, zero, activation_bytes,
+                              param_bytes, grad_bytes, sequence_parallel, recompute, virtual_stages)
+    blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
+    tokens = batch // dp * (seq // cp)
+    sent["ep"] = blocks * moe_all_to_all_bytes(tokens, cfg.dim, cfg.top_k, ep, activation_bytes,
+                                               activation_bytes)["total"]
+    if ep > 1:
+        dense, experts = ep_stage_unit_numels(cfg, tp, pp, stage, ep, virtual_stages)
+        if data_parallel == "ddp":
+            sent["dp"] = ddp_step_bytes(sum(dense), n, grad_bytes) + ddp_step_bytes(sum(experts), n // ep, grad_bytes)
+        else:
+            root = stage == 0 or stage == pp - 1
+            sent["dp"] = (fsdp_step_bytes(dense, n, zero, True, param_bytes, 4, root)
+                          + fsdp_step_bytes(experts, n // ep, zero, True, param_bytes, 4, root=False))
+    return sent
+
+
+def moe_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
+                               recompute="none", flash_attention: bool = True, dtype_bytes: int = 2) -> float:
+    """An estimate of what one MoE block keeps for backward, one micro-batch on one rank: Korthikanti's
+    dense block (``block_activation_bytes``) with its MLP's tensor-parallel share, 16·s·b·D/t bytes in
+    16-bit (two 4D-wide tensors), replaced by the MoE layer's. Each of the k·s·b assignments keeps its
+    dispatched input row and its expert's output row (D each, whole on every tp rank: the weight's and
+    the gate's gradients need them) and the expert's four Fe/t-wide tensors (x·W1, x·W3, SiLU, their
+    product); each token the router's E probabilities in fp32:
+
+        dense − s·b·8·D/t·b_a + s·b·(k·(2·D + 4·Fe/t)·b_a + 4·E)       (b_a: bytes per activation)
+
+    Full recomputation keeps the block's input alone, as for a dense block."""
+    from minitp.cost.activations import block_activation_bytes
+    from minitp.cost.time import recompute_mode
+
+    dense = block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
+                                   dtype_bytes)
+    if recompute_mode(recompute) == "full":
+        return dense
+    tokens, d, k, fe = micro_batch * seq, cfg.dim, cfg.top_k, cfg.expert_hidden
+    return dense + tokens * (k * (2 * d + 4 * fe / tp) * dtype_bytes + 4 * cfg.n_experts - 8 * d / tp * dtype_bytes)
+
+
+def moe_activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
+                                  microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
+                                  recompute=False, sequence_parallel: bool = False) -> float:
+    """``activation_bytes_per_rank`` of a MoE: ``moe_block_activation_bytes`` times the stage's blocks,
+    times the micro-batches 1F1B keeps in flight (min(pp - stage, m)). ep changes nothing here: a rank
+    computes the assignments its experts receive, k·s·b of them when routing is even."""
+    from minitp.cost import pp_peak_microbatches_in_flight
+    from minitp.layout import stage_num_blocks
+
+    per_block = moe_block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
+                                           dtype_bytes)
+    return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * pp_peak_microbatches_in_flight(
+        pp, microbatches, stage, "1f1b")
+
+
 __all__ = ["COUNT_BYTES", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "moe_param_split",
-           "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes"]
+           "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
+           "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
+           "moe_activation_bytes_per_rank"]

@@ -8,7 +8,8 @@ Notation (as in ``minitp.cost``, plus):
   neighbour while it receives from the other).
 
 Training costs about **6Ψ FLOPs per token** (2Ψ forward: one multiply-add per parameter; 4Ψ backward:
-the gradients of the activations and of the weights), plus attention's scores and weighted sum,
+the gradients of the activations and of the weights; Ψ the *active* parameters of a MoE, those a token
+goes through: its k experts of each layer, ``active_params``), plus attention's scores and weighted sum,
 **12·L·D·S per token** (2·2·S·D forward per layer and token, twice that backward; counted whole, as
 PaLM's MFU does, though a causal mask could skip half). MFU (model FLOPs utilisation) divides those
 model FLOPs by what the GPUs could have done in the step at their published peak; recomputation's
@@ -114,13 +115,18 @@ def this_machine(path: str | None = None) -> Device | None:
 
 # -- compute ----------------------------------------------------------------------------------------
 def training_flops_per_token(cfg, seq: int) -> float:
-    """Model FLOPs to train on one token: 6Ψ (forward 2Ψ, backward 4Ψ) + 12·L·D·S for attention."""
-    return 6 * cfg.num_params() + 12 * cfg.n_layers * cfg.dim * seq
+    """Model FLOPs to train on one token: 6Ψ (forward 2Ψ, backward 4Ψ) + 12·L·D·S for attention;
+    Ψ the active parameters (a MoE's token goes through k of its E experts per layer)."""
+    from minitp.cost.experts import active_params
+
+    return 6 * active_params(cfg) + 12 * cfg.n_layers * cfg.dim * seq
 
 
 def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
     """The extra FLOPs recomputation adds per token: ``full`` runs each block's forward again
-    (2Ψ_blocks + 4·L·D·S), ``selective`` only attention's scores and weighted sum (4·L·D·S)."""
+    (2Ψ_blocks + 4·L·D·S, Ψ_blocks active), ``selective`` only attention's scores and weighted sum (4·L·D·S)."""
+    from minitp.cost.experts import active_params
+
     recompute = recompute_mode(recompute)
     if recompute == "none":
         return 0.0
@@ -128,7 +134,7 @@ def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
     if recompute == "selective":
         return float(attention)
     d, v = cfg.dim, cfg.vocab_size
-    return 2 * (cfg.num_params() - 2 * v * d - d) + attention
+    return 2 * (active_params(cfg) - 2 * v * d - d) + attention
 
 
 def recompute_mode(recompute) -> str:
@@ -168,16 +174,18 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     return RING_PHASES[op] * (n - 1) * link.alpha_s + collective_sent_bytes(op, nbytes, n) / link.bytes_per_s
 
 
-def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1) -> dict[str, Link]:
+def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1, ep: int = 1) -> dict[str, Link]:
     """Which link each dimension's messages cross, with minitp's order (tp fastest, then pp, then cp
     inside the dp dimension, dp slowest; ranks filling machines in order): a group stays inside a
-    machine when its span (tp; tp·pp; cp·pp·tp; dp·cp·pp·tp) fits in one. Megatron and torchtitan
-    order pp outermost instead; the tp rule is the same."""
+    machine when its span (tp; tp·pp; cp·pp·tp; dp·cp·pp·tp) fits in one. An ep group, ep consecutive
+    ranks of the dp·cp dimension, spans ep·pp·tp. Megatron and torchtitan order pp outermost instead;
+    the tp rule is the same."""
     inside = device.gpus_per_node
     return {"tp": device.intra if tp <= inside else device.inter,
             "pp": device.intra if tp * pp <= inside else device.inter,
             "cp": device.intra if cp * pp * tp <= inside else device.inter,
-            "dp": device.intra if dp * cp * pp * tp <= inside else device.inter}
+            "dp": device.intra if dp * cp * pp * tp <= inside else device.inter,
+            "ep": device.intra if ep * pp * tp <= inside else device.inter}
 
 
 # -- one training step -------------------------------------------------------------------------------
@@ -196,12 +204,13 @@ class StepTime:
     mfu: float  # model_flops / (step_s · gpus · peak)
     cp_s: float = 0.0  # context parallel's ring: keys and values (and their gradients) passed on
     cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute
+    ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch, combine and their gradients): never hidden
 
 
 def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
               microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
               sequence_parallel: bool = False, recompute="none", overlap: bool = True,
-              buckets: int | None = None, cp: int = 1, virtual_stages: int = 1) -> StepTime:
+              buckets: int | None = None, cp: int = 1, virtual_stages: int = 1, ep: int = 1) -> StepTime:
     """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
@@ -222,15 +231,23 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     virtual_stages: interleaved 1F1B's v chunks per rank: the bubble shrinks to compute·(p-1)/(v·m),
     and each micro-batch crosses v times as many boundaries (v times the pipeline's sends).
 
+    A MoE (``minitp.models.moe``) computes 6 FLOPs per *active* parameter and token; ep: its experts
+    split over ep of the dp·cp ranks (``minitp.cost.experts.ep_mesh_step_bytes``): the expert
+    gradients average over dp·cp/ep copies, and the all-to-alls, on the link the ep group spans
+    (``links_of_layout``), are counted whole: the experts wait for the dispatch, the next layer for
+    the combine.
+
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute.
     """
     from minitp.cost.context import cp_mesh_step_bytes
+    from minitp.cost.experts import ep_mesh_step_bytes
     from minitp.cost.threed import rank_num_blocks
     from minitp.layout import check_positive
 
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
+    check_positive("ep", ep)
     gpus, m = dp * cp * pp * tp, microbatches if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     tokens = batch * seq
@@ -243,13 +260,19 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     v = virtual_stages if pp > 1 else 1
     check_positive("virtual_stages", v)
     bubble = compute * (pp - 1) / (v * m)
-    links = links_of_layout(dp, pp, tp, device, cp)
-    worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0}
-    sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp}
+    links = links_of_layout(dp, pp, tp, device, cp, ep)
+    worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0, "ep": 0.0}
+    sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp, "ep": ep}
+    moe = hasattr(cfg, "n_experts")
+    if ep > 1 and not moe:
+        raise ValueError(f"ep={ep} needs a MoE model (a MoEConfig, minitp.models.moe), got {type(cfg).__name__}")
     for stage in range(pp):
-        sent = cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, data_parallel, zero, activation_bytes=b,
-                                  param_bytes=b, grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute,
-                                  virtual_stages=v)
+        kept = dict(data_parallel=data_parallel, zero=zero, activation_bytes=b, param_bytes=b, grad_bytes=b,
+                    sequence_parallel=sequence_parallel, recompute=recompute, virtual_stages=v)
+        if moe:  # the all-to-alls, and the expert gradients over their dp·cp/ep copies
+            sent = ep_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, ep, **kept)
+        else:
+            sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept), "ep": 0.0}
         blocks = rank_num_blocks(cfg.n_layers, pp, stage, v)
         steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v)
         for dim in worst:
@@ -265,10 +288,10 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
         window = compute * 2 / 3 / m
     dp_exposed = max(0.0, worst["dp"] - window)
     cp_exposed = max(0.0, worst["cp"] - (attention if overlap else 0.0))
-    step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed
+    step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed + worst["ep"]
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
     return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu,
-                    worst["cp"], cp_exposed)
+                    worst["cp"], cp_exposed, worst["ep"])
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
@@ -278,11 +301,12 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
     tp: per micro-batch 4 per block (6 with full recomputation), plus the embedding, output and loss's 3;
     pp: m sends forward, m backward (v times that, interleaved); dp: DDP's buckets, or FSDP's gathers
     and reduce-scatters per unit;
-    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward."""
-    tp, pp, dp, cp = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1)
+    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward;
+    ep: per micro-batch and MoE layer, four all-to-alls (dispatch, combine, their gradients) of e-1 steps each."""
+    tp, pp, dp, cp, ep = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
     out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
-           "cp": m * blocks * (3 * cp - 2) if cp > 1 else 0}
+           "cp": m * blocks * (3 * cp - 2) if cp > 1 else 0, "ep": m * blocks * 4 * (ep - 1)}
     if dp > 1:
         units = blocks + 1
         if data_parallel == "ddp":

@@ -19,7 +19,17 @@ from minitp.models.llama import (
     loss_fn,
     rms_norm,
 )
-from minitp.models.moe import TINY_MOE, MoEConfig, MoEFeedForward, Routing, build_moe_model, moe_config, moe_loss
+from minitp.models.moe import (
+    MIXTRAL_8X7B,
+    MOE_PRESETS,
+    TINY_MOE,
+    MoEConfig,
+    MoEFeedForward,
+    Routing,
+    build_moe_model,
+    moe_config,
+    moe_loss,
+)
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
 
 __all__ = [
@@ -27,5 +37,6 @@ __all__ = [
     "RMSNorm", "rms_norm", "Attention", "FeedForward", "TransformerBlock", "Transformer", "KVCache",
     "build_model", "generate", "greedy_token", "loss_fn",
     "TrainConfig", "synthetic_batches", "make_optimizer", "train_reference",
-    "MoEConfig", "TINY_MOE", "moe_config", "MoEFeedForward", "Routing", "build_moe_model", "moe_loss",
+    "MoEConfig", "TINY_MOE", "MIXTRAL_8X7B", "MOE_PRESETS", "moe_config", "MoEFeedForward", "Routing",
+    "build_moe_model", "moe_loss",
 ]

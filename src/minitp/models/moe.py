@@ -71,6 +71,15 @@ def moe_config(base: ModelConfig = TINY, **changes) -> MoEConfig:
 
 
 TINY_MOE = moe_config(TINY)
+# Mixtral 8x7B (Jiang et al. 2024, and its published config): LLaMA-like attention (32 query heads, 8
+# key/value heads) and 8 SwiGLU experts of 14,336 per layer, 2 per token, no token dropped; about 46.7 B
+# parameters, 12.9 B of them used per token. For cost arithmetic (``minitp plan``): never materialised.
+# ffn_hidden (the dense MLP it replaces, absent from num_params) is the experts' width, so that tensor
+# parallel's checks of the MLP read the experts'.
+MIXTRAL_8X7B = MoEConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                         max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2, expert_hidden=14336,
+                         capacity_factor=None, aux_loss_coef=0.02)
+MOE_PRESETS = {"mixtral-8x7b": MIXTRAL_8X7B}
 
 
 # -- routing ---------------------------------------------------------------------------------------
