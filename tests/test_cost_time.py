@@ -6,6 +6,7 @@ import pytest
 
 from minitp import cost, plan
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY, TrainConfig
+from minitp.models.moe import moe_config
 
 MIB, GIB = 2**20, 2**30
 LINK = cost.Link("test", alpha_s=1e-6, bytes_per_s=1e3)
@@ -195,15 +196,28 @@ def test_chapter_06_sequence_parallel_against_full_recomputation_at_70b():
     assert len(plan.plan(LLAMA3_70B, 64, 80, sequence_parallel=True)) == 6
 
 
-def test_a_context_parallel_run_is_predicted_with_its_ring_and_a_moe_says_it_is_not(calibration):
+def test_context_and_expert_parallel_runs_are_predicted_with_their_messages(calibration):
     from minitp.runs.common import predicted_step_s
 
     train = TrainConfig(steps=2, batch_size=8, seq_len=16)
     predicted, note = predicted_step_s("cp", {"dp": 1, "tp": 1, "pp": 1, "cp": 2}, TINY, train, {})
     want = cost.step_time(TINY, 8, 16, device=cost.this_machine(), precision="fp32", cp=2)
     assert note is None and predicted == pytest.approx(want.step_s) and want.cp_s > 0
-    predicted, note = predicted_step_s("ep", {"dp": 2, "tp": 1, "pp": 1}, TINY, train, {})
-    assert predicted is None and "all-to-alls are not in it" in note
+    # minitp run ep --nproc 2: the MoE of the tiny preset, experts over both ranks; per step and MoE layer
+    # 4 all-to-alls (dispatch, combine, their gradients) of k·T·(ep-1)/ep rows of D fp32 values, T = 8/2·16
+    details = {"experts": 8, "top_k": 2, "capacity_factor": 1.25}
+    predicted, note = predicted_step_s("ep", {"dp": 2, "tp": 1, "pp": 1, "ep": 2}, TINY, train, details)
+    moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
+    want = cost.step_time(moe, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", ep=2)
+    link = cost.this_machine().intra
+    a2a_bytes = TINY.n_layers * 4 * (2 * 8 // 2 * 16 * 1 / 2) * TINY.dim * 4
+    assert want.ep_s == pytest.approx(TINY.n_layers * 4 * link.alpha_s + a2a_bytes / link.bytes_per_s)
+    assert note is None and predicted == pytest.approx(want.step_s)
+    # against every expert on both ranks: the same compute, the all-to-alls added, the experts' gradients
+    # no longer all-reduced (each has one copy)
+    whole = cost.step_time(moe, 8, 16, dp=2, device=cost.this_machine(), precision="fp32")
+    assert whole.ep_s == 0 and want.compute_s == whole.compute_s and want.dp_s < whole.dp_s
+    assert want.step_s == pytest.approx(whole.step_s - whole.dp_exposed_s + want.dp_exposed_s + want.ep_s)
 
 
 def test_with_no_core_to_spare_nothing_overlaps_on_a_cpu():

@@ -118,18 +118,22 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
         return None, f"this machine is not calibrated (minitp calibrate; it reads {cost.calibration_path()})"
     if strategy == "swiglu":
         return None, "the MLP alone is not a whole model; the time model predicts whole models"
-    if strategy == "ep" or layout.get("ep", 1) > 1:
-        return None, "the time model predicts dense models; a MoE's all-to-alls are not in it yet"
+    ep = layout.get("ep", 1)
+    if strategy == "ep" or ep > 1:  # the MoE the run built from the dense preset: active FLOPs, all-to-alls
+        from minitp.models.moe import moe_config
+
+        cfg = moe_config(cfg, **{k: details[k] for k in ("top_k", "capacity_factor") if k in details},
+                         n_experts=details["experts"])
     if details.get("attention") == "ulysses":
         return None, "the time model counts context parallel as a ring; Ulysses' all-to-alls are not in it"
-    if strategy not in ("ddp", "fsdp", "tp", "pp", "3d", "cp"):
+    if strategy not in ("ddp", "fsdp", "tp", "pp", "3d", "cp", "ep"):
         return None, f"the time model (minitp.cost.step_time) does not cover {strategy} yet"
     zero = details.get("zero") or 3
     data_parallel = details.get("data_parallel") or ("fsdp" if strategy == "fsdp" else "ddp")
     time = cost.step_time(cfg, train.batch_size, train.seq_len, layout["dp"], layout["tp"], layout["pp"], device,
                           details.get("microbatches") or 1, data_parallel, zero, "fp32",
                           bool(details.get("sequence_parallel")), buckets=details.get("num_buckets"),
-                          cp=layout.get("cp", 1), virtual_stages=details.get("virtual_stages") or 1)
+                          cp=layout.get("cp", 1), virtual_stages=details.get("virtual_stages") or 1, ep=ep)
     return time.step_s, None
 
 
