@@ -23,6 +23,13 @@ def test_a_context_parallel_checkpoint_resumes_without_it_and_back(tmp_path):
     assert runs.check(back) == [] and back.layout == {"dp": 1, "tp": 2, "pp": 1, "cp": 2}
 
 
+def test_a_checkpoint_saved_under_context_parallel_and_a_pipeline_resumes_on_one_stage(tmp_path):
+    saved = runs.run_3d(dp=1, cp=2, tp=1, pp=2, steps=2, save_to=str(tmp_path / "cp_pp"))
+    resumed = runs.run_3d(dp=2, tp=2, pp=1, steps=3, resume_from=str(tmp_path / "cp_pp"))
+    assert runs.check(saved) == [] and runs.check(resumed) == [] and resumed.start_step == 2
+    assert saved.layout == {"dp": 1, "tp": 1, "pp": 2, "cp": 2}
+
+
 def test_a_dense_checkpoint_does_not_load_into_the_moe_model(tmp_path):
     from minitp.launch import RankError
 

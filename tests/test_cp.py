@@ -173,6 +173,24 @@ def test_3d_with_cp_matches_one_process_with_bytes_per_dimension_equal_to_the_fo
         assert traced["cp"] == expected["cp"] > 0 and traced["tp"] == expected["tp"] > 0
 
 
-def test_3d_refuses_cp_with_a_pipeline_before_starting():
-    with pytest.raises(ValueError, match="cp=2 composes with dp"):
-        runs.run_3d(dp=1, cp=2, tp=1, pp=2)
+@pytest.mark.parametrize("tp, schedule", [(1, "1f1b"), (1, "zb"), (1, "interleaved"), (2, "1f1b")])
+def test_3d_with_cp_and_a_pipeline_matches_one_process_with_bytes_per_dimension_equal_to_the_formulas(tp, schedule):
+    # each stage's blocks run the ring over the stage's cp group and rotate the rank's chunks by their
+    # true positions; the pipeline sends (b, S/cp, D) between stages
+    steps = 2
+    report = runs.run_3d(dp=1, cp=2, tp=tp, pp=2, steps=steps, schedule=schedule)
+    assert runs.check(report) == [] and report.max_abs_param_diff <= 1e-5
+    assert report.layout == {"dp": 1, "tp": tp, "pp": 2, "cp": 2}
+    cfg, b, S = TINY, 8, 16  # the run's batch (one replica), micro-batches of one row, S/cp positions each
+    v = 2 if schedule == "interleaved" else 1
+    for traced, expected in zip(report.comm_bytes_traced_by_dim, report.comm_bytes_expected_by_dim):
+        assert traced == expected
+        # per step each of the b rows crosses the v·pp - 1 boundaries forward and back, (S/cp, D) fp32 values
+        # at a time; the two ranks send half of those messages each (1F1B: stage 0 forward, stage 1 backward)
+        assert traced["pp"] == steps * b * (S // 2) * cfg.dim * 4 * (v * 2 - 1)
+        assert traced["cp"] > 0
+
+
+def test_3d_refuses_cp_with_fsdp_before_starting():
+    with pytest.raises(ValueError, match="cp=2 composes with dp \\(DDP\\), tp and pp: run it without --fsdp"):
+        runs.run_3d(dp=1, cp=2, tp=1, pp=2, fsdp=True, zero=1)

@@ -47,6 +47,13 @@ def shard_sequence(x: torch.Tensor, group=None, balanced: bool = True, dim: int 
     return x.index_select(dim, index).contiguous()
 
 
+def local_positions(local_len: int, group=None, balanced: bool = True) -> torch.Tensor:
+    """(Sl,) the positions of the whole sequence this rank's ``local_len`` ones are (``shard_sequence``'s
+    index): what RoPE rotates them by."""
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    return torch.tensor(layout.cp_positions(local_len * n, n, rank, balanced and n > 1))
+
+
 def unshard_sequence(shards: list[torch.Tensor], balanced: bool = True, dim: int = 1) -> torch.Tensor:
     """Put every rank's positions back in sequence order: the inverse of ``shard_sequence``."""
     n = len(shards)
@@ -335,19 +342,13 @@ class ContextParallel(nn.Module):
         self.model, self.group, self.balanced = model, group, balanced
 
     def positions(self, local_len: int) -> torch.Tensor:
-        n, rank = comm.group_size(self.group), comm.group_rank(self.group)
-        return torch.tensor(layout.cp_positions(local_len * n, n, rank, self.balanced and n > 1))
+        return local_positions(local_len, self.group, self.balanced)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         model = self.model
-        seq_len = tokens.shape[1] * comm.group_size(self.group)
-        if seq_len > model.config.max_seq_len:
-            raise ValueError(f"sequence of {seq_len} positions is past max_seq_len={model.config.max_seq_len}")
-        pos = self.positions(tokens.shape[1]).to(tokens.device)
-        cos, sin = model.rope_cos[pos], model.rope_sin[pos]  # (Sl, Dh/2): RoPE at the true positions
+        pos = self.positions(tokens.shape[1]).to(tokens.device)  # RoPE at the true positions
         h = model.tok_embeddings(tokens)  # (B, Sl, D)
-        for block in model.layers:
-            h = block(h, cos, sin)
+        h = model.run_blocks(h, seq_len=tokens.shape[1] * comm.group_size(self.group), positions=pos)
         return model.output(model.norm(h))  # (B, Sl, V)
 
 

@@ -48,7 +48,8 @@ class Parallel3D:
     under ``no_sync`` and are averaged once after the schedule (FSDP: ZeRO-1 only, see ``fsdp.no_sync``).
     A dimension of size 1 is left out (no wrapper, no message).
 
-    cp: context parallel inside each replica (the mesh's dp dimension holds dp·cp ranks, pp = 1, DDP).
+    cp: context parallel inside each replica (the mesh's dp dimension holds dp·cp ranks; DDP): each
+        attention a ring over the cp group, each pipeline stage's RoPE at its rank's positions.
     schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP only.
     ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp ranks
     shares one set of experts (``ep.mesh_ep_groups``); ``ep.ExpertParallel`` then averages the
@@ -82,8 +83,8 @@ class Parallel3D:
         # context parallel: the mesh's dp dimension holds dp·cp ranks; each attention becomes a ring
         self.cp, self.cp_group, cp_model = cp, None, None
         if cp > 1:
-            if mesh.pp > 1 or data_parallel != "ddp":
-                raise ValueError(f"cp={cp} composes with dp (DDP) and tp; got pp={mesh.pp}, {data_parallel}")
+            if data_parallel != "ddp":
+                raise ValueError(f"cp={cp} composes with dp (DDP), tp and pp; got {data_parallel}")
             self.cp_group = _cp.mesh_cp_group(mesh, cp)
             cp_model = _cp.parallelize(model, self.cp_group)  # takes (B/dp, S/cp) tokens
         # expert parallel: a MoE model's experts over ep of the dp ranks, the rest data parallel over dp
@@ -114,6 +115,10 @@ class Parallel3D:
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
         stage = StageSpec.of(module) if mesh.pp > 1 and interleaved is None else None
+        if cp > 1 and mesh.pp > 1:  # each stage's blocks rotate this rank's positions (the ring is in place)
+            for piece in ([c.module for c in interleaved.chunks] if interleaved else [module]):
+                piece.cp_group = self.cp_group
+            cp_model = None  # the pipeline runs the stage, as without cp
         self.module = module  # what this rank holds, under the plain model's names
         self.split_dims = split_dims(module)
         self.ddp = self.fsdp = None

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from minitp import comm
+from minitp import comm, cp
 from minitp import trace as _trace
 from minitp.layout import stage_blocks
 from minitp.models import Transformer
@@ -100,11 +100,18 @@ class PipelineStage(nn.Module):
         self.output = model.output if self.is_last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        # context parallel (minitp.parallel3d sets it): this rank holds S of the cp·S positions of each
+        # sequence, the balanced chunks of minitp.cp.shard_sequence, and RoPE rotates them by theirs
+        self.cp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # first stage: tokens (b, S); any other: the previous stage's output (b, S, D)
         h = self.tok_embeddings(x) if self.is_first else x  # (b, S, D)
-        h = self.run_blocks(h)
+        if self.cp_group is None:
+            h = self.run_blocks(h)
+        else:
+            pos = cp.local_positions(x.shape[1], self.cp_group).to(h.device)
+            h = self.run_blocks(h, seq_len=x.shape[1] * comm.group_size(self.cp_group), positions=pos)
         return self.output(self.norm(h)) if self.is_last else h  # last: logits (b, S, V); else (b, S, D)
 
 

@@ -193,18 +193,24 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, S, D); (B, S/tp, D) under sequence parallel
         return self.output(self.norm(self.run_blocks(h, start_pos, caches, tokens.shape[1])))  # (B, S, V)
 
-    def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None, seq_len: int | None = None) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None, seq_len: int | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks, in order, on hidden states h (B, S, D) at positions start_pos.. -> (B, S, D).
 
         It reads only ``layers`` (block i by its name, ``layers.i``), the rope tables and ``config``,
         so a pipeline stage holding some of the blocks under their names runs this same loop
         (``minitp.pp.PipelineStage``). seq_len: the positions S the rope tables cover, when h holds
-        fewer (tensor parallel's sequence parallel keeps S/tp of them between attention and MLP)."""
+        fewer (tensor parallel's sequence parallel keeps S/tp of them between attention and MLP).
+        positions: (S,) the positions h holds when they are not start_pos.. in order (context
+        parallel's chunks of a longer sequence, ``seq_len`` positions in all)."""
         S, limit = seq_len or h.shape[1], self.config.max_seq_len
         if start_pos + S > limit:
             where = f"of {S} positions" if start_pos == 0 else f"reaching position {start_pos + S}"
             raise ValueError(f"sequence {where} is past max_seq_len={limit}")
-        cos, sin = self.rope_cos[start_pos:start_pos + S], self.rope_sin[start_pos:start_pos + S]
+        if positions is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        else:
+            cos, sin = self.rope_cos[start_pos:start_pos + S], self.rope_sin[start_pos:start_pos + S]
         for name, block in self.layers.named_children():  # "0", "1", ...; a stage's: "2", "3"
             h = block(h, cos, sin, None if caches is None else caches[int(name)])
         return h

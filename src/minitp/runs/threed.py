@@ -85,7 +85,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         saved; the run then trains up to ``steps`` and is checked against the reference at ``steps``.
     save_to: save a sharded checkpoint after the last step.
     cp: context parallel inside each replica (``minitp.cp``): the mesh's dp dimension holds dp·cp
-        ranks, each replica's rows split over cp along the sequence (pp = 1 and DDP only).
+        ranks, each replica's rows split over cp along the sequence (DDP only).
     schedule: "gpipe", "1f1b", "zb", or "interleaved" with ``virtual_stages`` chunks per rank
         (default 2; DDP only).
     ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per block,
@@ -98,9 +98,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     layout.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
     if cp > 1:
-        if pp > 1 or fsdp:
-            raise ValueError(f"cp={cp} composes with dp (DDP) and tp only: pp must be 1, without --fsdp "
-                             f"(got pp={pp}, fsdp={fsdp})")
+        if fsdp:
+            raise ValueError(f"cp={cp} composes with dp (DDP), tp and pp: run it without --fsdp")
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
     moe = None
     if ep > 1:
@@ -147,7 +146,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     for r in results:
         d, s, _ = r["coords"]
         if cp > 1:  # d: the rank's place among the dp·cp ranks that average its gradients
-            by_dim.append(cost.cp3d_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, d, steps=ran, start_up=True))
+            by_dim.append(cost.cp3d_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, d, steps=ran, start_up=True,
+                                               pp=pp, stage=s, virtual_stages=v))
             continue
         by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
                                              zero or 3, steps=ran, start_up=True, state_dict=True, virtual_stages=v))
@@ -207,7 +207,7 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("dp", int, 2, "data-parallel replicas", low=1),
     Option("tp", int, 2, "tensor-parallel ranks per stage", low=1),
     Option("pp", int, 2, "pipeline stages", low=1),
-    Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring (pp=1, DDP)",
+    Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring (DDP)",
            low=1),
     Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
            "(tp=pp=1, DDP)", low=1),
