@@ -28,6 +28,8 @@ def test_a_checkpoint_saved_under_context_parallel_and_a_pipeline_resumes_on_one
     resumed = runs.run_3d(dp=2, tp=2, pp=1, steps=3, resume_from=str(tmp_path / "cp_pp"))
     assert runs.check(saved) == [] and runs.check(resumed) == [] and resumed.start_step == 2
     assert saved.layout == {"dp": 1, "tp": 1, "pp": 2, "cp": 2}
+    sharded = runs.run_3d(dp=1, cp=2, tp=2, pp=1, fsdp=True, steps=4, resume_from=str(tmp_path / "cp_pp"))
+    assert runs.check(sharded) == [] and sharded.start_step == 2  # FSDP over the cp ranks this time
 
 
 def test_a_dense_checkpoint_does_not_load_into_the_moe_model(tmp_path):

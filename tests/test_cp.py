@@ -191,6 +191,13 @@ def test_3d_with_cp_and_a_pipeline_matches_one_process_with_bytes_per_dimension_
         assert traced["cp"] > 0
 
 
-def test_3d_refuses_cp_with_fsdp_before_starting():
-    with pytest.raises(ValueError, match="cp=2 composes with dp \\(DDP\\), tp and pp: run it without --fsdp"):
-        runs.run_3d(dp=1, cp=2, tp=1, pp=2, fsdp=True, zero=1)
+@pytest.mark.parametrize("dp, tp, pp, zero", [(2, 1, 1, 3), (1, 2, 1, 2), (1, 1, 2, 1)])
+def test_3d_with_cp_and_fsdp_shards_the_state_over_every_dp_and_cp_rank(dp, tp, pp, zero):
+    # context parallel shards activations, FSDP the model state: over the dp·cp ranks of a stage and tp slice
+    report = runs.run_3d(dp=dp, cp=2, tp=tp, pp=pp, fsdp=True, zero=zero, steps=2)
+    assert runs.check(report) == [] and report.max_abs_param_diff <= 1e-5
+    assert report.comm_bytes_traced_by_dim == report.comm_bytes_expected_by_dim
+    ddp = runs.run_3d(dp=dp, cp=2, tp=tp, pp=pp, steps=2)
+    for sharded, whole in zip(report.memory, ddp.memory):
+        # ZeRO-1 and up: AdamW's two fp32 moments over dp·cp = 2·dp ranks (a unit's padding aside)
+        assert sharded["optimizer"] == pytest.approx(whole["optimizer"] / (2 * dp), rel=0.02)

@@ -81,12 +81,10 @@ class Parallel3D:
             _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
             self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
         # context parallel: the mesh's dp dimension holds dp·cp ranks; each attention becomes a ring
-        self.cp, self.cp_group, cp_model = cp, None, None
-        if cp > 1:
-            if data_parallel != "ddp":
-                raise ValueError(f"cp={cp} composes with dp (DDP), tp and pp; got {data_parallel}")
+        self.cp, self.cp_group = cp, None
+        if cp > 1:  # the model then takes (B/dp, S/cp) tokens and their positions in the sequence
             self.cp_group = _cp.mesh_cp_group(mesh, cp)
-            cp_model = _cp.parallelize(model, self.cp_group)  # takes (B/dp, S/cp) tokens
+            _cp.parallelize(model, self.cp_group)
         # expert parallel: a MoE model's experts over ep of the dp ranks, the rest data parallel over dp
         self.ep, self.expert_parallel = ep, None
         if ep > 1:
@@ -118,7 +116,6 @@ class Parallel3D:
         if cp > 1 and mesh.pp > 1:  # each stage's blocks rotate this rank's positions (the ring is in place)
             for piece in ([c.module for c in interleaved.chunks] if interleaved else [module]):
                 piece.cp_group = self.cp_group
-            cp_model = None  # the pipeline runs the stage, as without cp
         self.module = module  # what this rank holds, under the plain model's names
         self.split_dims = split_dims(module)
         self.ddp = self.fsdp = None
@@ -126,8 +123,7 @@ class Parallel3D:
         if self.expert_parallel is not None:  # its own gradient averaging (replicated over dp, experts over copies)
             self.step_model = self.expert_parallel
         elif mesh.dp > 1 and data_parallel == "ddp":
-            self.ddp = self.step_model = DistributedDataParallel(
-                cp_model if cp_model is not None else module, mesh.dp_group, bucket_mb=bucket_mb)
+            self.ddp = self.step_model = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
         elif mesh.dp > 1:
             self.fsdp = self.step_model = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
         self.pipeline = interleaved
@@ -149,8 +145,12 @@ class Parallel3D:
         elif self.mesh.dp > 1:  # this replica's rows: (B, S) → (B/dp, S)
             tokens, targets = split_batch(tokens, self.mesh.dp_group), split_batch(targets, self.mesh.dp_group)
         if self.pipeline is None:
+            # context parallel: RoPE at this rank's positions of the sequence (the pipeline's stages know theirs)
+            where = {}
+            if self.cp > 1:
+                where["positions"] = _cp.local_positions(tokens.shape[1], self.cp_group).to(self.device)
             with _trace.span("forward"):
-                loss = self.loss(self.step_model(tokens), targets)
+                loss = self.loss(self.step_model(tokens, **where), targets)
             with _trace.span("backward"):
                 loss.backward()
             return loss.item()

@@ -123,22 +123,25 @@ def cp_attention_flops_per_rank(seq: int, cp: int, rank: int, heads: int, head_d
 
 def cp3d_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, mesh_dp_rank: int = 0, steps: int = 1,
                     start_up: bool = False, dtype_bytes: int = 4, pp: int = 1, stage: int = 0,
-                    virtual_stages: int = 1) -> dict[str, float]:
-    """Bytes a rank of a dp × cp × pp × tp mesh (DDP) at ``stage`` sends over ``steps`` steps, per dimension.
+                    virtual_stages: int = 1, data_parallel: str = "ddp", zero: int = 3,
+                    state_dict: bool = False) -> dict[str, float]:
+    """Bytes a rank of a dp × cp × pp × tp mesh at ``stage`` sends over ``steps`` steps, per dimension.
 
     A replica's B/dp rows are split over cp along the sequence, so tensor parallel's activations and
     the pipeline's are (B/dp)·(S/cp)·D: their bytes are those of 3D at sequence S/cp, over dp·cp
     replicas of B·cp rows. The ring carries this rank's key/value heads, Hkv/tp of them, for B/dp rows
-    in each block of the stage. The gradients are averaged by one all-reduce over the dp·cp ranks that
-    hold the same stage and tp slice (``mesh_dp_rank``: the rank's place among them, for DDP's
-    start-up broadcast chain)."""
+    in each block of the stage. The dp·cp ranks that hold the same stage and tp slice average the
+    gradients (DDP: one all-reduce; ``mesh_dp_rank``, the rank's place among them, for the start-up
+    broadcast chain) or shard the state (FSDP, ZeRO ``zero``: ``threed_step_bytes``'s gathers and
+    reduce-scatters over dp·cp ranks; ``state_dict``: the final gather)."""
     from minitp.cost.threed import rank_num_blocks, threed_step_bytes
     from minitp.layout import check_divisible
 
     check_divisible("seq_len", seq, "cp", cp)
     check_divisible("batch_size", batch, "dp", dp)
-    sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, mesh_dp_rank, steps=steps,
-                             activation_bytes=dtype_bytes, start_up=start_up, virtual_stages=virtual_stages)
+    sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, mesh_dp_rank, data_parallel, zero,
+                             steps=steps, activation_bytes=dtype_bytes, start_up=start_up, state_dict=state_dict,
+                             virtual_stages=virtual_stages)
     ring = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages) * cp_attention_bytes(
         batch // dp, seq, cfg.kv_heads // tp, cfg.head_dim, cp, dtype_bytes)
     return {**sent, "cp": steps * ring}

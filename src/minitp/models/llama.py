@@ -188,10 +188,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
-        # tokens: (B, S) -> logits (B, S, V)
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, caches=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens: (B, S) -> logits (B, S, V); positions: (S,) where they are not start_pos.. (see run_blocks)
         h = self.tok_embeddings(tokens)  # (B, S, D); (B, S/tp, D) under sequence parallel
-        return self.output(self.norm(self.run_blocks(h, start_pos, caches, tokens.shape[1])))  # (B, S, V)
+        S = tokens.shape[1] if positions is None else int(positions.max()) + 1  # the positions RoPE reaches
+        return self.output(self.norm(self.run_blocks(h, start_pos, caches, S, positions)))  # (B, S, V)
 
     def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None, seq_len: int | None = None,
                    positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,7 +85,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         saved; the run then trains up to ``steps`` and is checked against the reference at ``steps``.
     save_to: save a sharded checkpoint after the last step.
     cp: context parallel inside each replica (``minitp.cp``): the mesh's dp dimension holds dp·cp
-        ranks, each replica's rows split over cp along the sequence (DDP only).
+        ranks, each replica's rows split over cp along the sequence, the model state averaged (DDP) or
+        sharded (FSDP) over all dp·cp of them.
     schedule: "gpipe", "1f1b", "zb", or "interleaved" with ``virtual_stages`` chunks per rank
         (default 2; DDP only).
     ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per block,
@@ -98,8 +99,6 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     layout.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
     if cp > 1:
-        if fsdp:
-            raise ValueError(f"cp={cp} composes with dp (DDP), tp and pp: run it without --fsdp")
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
     moe = None
     if ep > 1:
@@ -147,11 +146,12 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         d, s, _ = r["coords"]
         if cp > 1:  # d: the rank's place among the dp·cp ranks that average its gradients
             by_dim.append(cost.cp3d_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, d, steps=ran, start_up=True,
-                                               pp=pp, stage=s, virtual_stages=v))
+                                               pp=pp, stage=s, virtual_stages=v, data_parallel=data_parallel,
+                                               zero=zero or 3, state_dict=True))
             continue
         by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
                                              zero or 3, steps=ran, start_up=True, state_dict=True, virtual_stages=v))
-    expected_memory = [cost.threed_memory_per_rank(cfg, dp, tp, pp, r["coords"][1], data_parallel, zero or 3,
+    expected_memory = [cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, r["coords"][1], data_parallel, zero or 3,
                                                    virtual_stages=v) for r in results]
     traced_by_dim = [_bytes_by_dim(t.events) for t in results.traces]
     # the training steps alone, without DDP's start-up broadcast and FSDP's final gather (the planner's view)
@@ -207,7 +207,7 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("dp", int, 2, "data-parallel replicas", low=1),
     Option("tp", int, 2, "tensor-parallel ranks per stage", low=1),
     Option("pp", int, 2, "pipeline stages", low=1),
-    Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring (DDP)",
+    Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring",
            low=1),
     Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
            "(tp=pp=1, DDP)", low=1),
