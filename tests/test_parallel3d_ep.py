@@ -55,13 +55,33 @@ def test_one_ep_group_over_all_dp_ranks_sends_what_the_expert_parallel_run_sends
 
 @pytest.mark.parametrize("args, message", [
     (dict(dp=4, ep=3), "dp=4 is not divisible by ep=3"),
-    (dict(dp=2, tp=2, ep=2), "ep=2 composes with dp \\(DDP\\) only"),
-    (dict(dp=2, pp=2, ep=2), "ep=2 composes with dp \\(DDP\\) only"),
+    (dict(dp=2, tp=2, ep=2), "ep=2 composes with dp \\(DDP\\) and pp: tp must be 1"),
+    (dict(dp=2, pp=2, ep=2, schedule="interleaved"), "without --cp, --fsdp or the interleaved schedule"),
     (dict(dp=4, ep=4, experts=6), "experts=6 is not divisible by ep=4"),
 ])
 def test_3d_refuses_an_ep_layout_it_cannot_run_before_starting(args, message):
     with pytest.raises(ValueError, match=message):
         runs.run_3d(**{"tp": 1, "pp": 1, **args})
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_experts_in_a_pipeline_match_one_process_each_stage_adding_its_auxiliary_loss(schedule):
+    # dp 2 × pp 2, ep 2: each stage's two ranks split the experts of the stage's blocks; the last stage's
+    # loss is the cross-entropy and every stage's MoE layers give their auxiliary loss its gradient
+    report = runs.run_3d(dp=2, ep=2, tp=1, pp=2, steps=2, schedule=schedule)
+    assert runs.check(report) == [] and report.max_abs_param_diff <= 1e-5
+    assert report.loss == pytest.approx(report.reference_loss, abs=1e-5)  # cross-entropy + 0.01·Σ aux
+    assert report.layout == {"dp": 2, "tp": 1, "pp": 2, "ep": 2}
+    D, S, rows = 64, 16, 8 // 2  # each replica's rows cross the stage boundary, (S, D) fp32 each way
+    for traced, expected in zip(report.comm_bytes_traced_by_dim, report.comm_bytes_expected_by_dim):
+        assert traced == expected and traced["ep"] > 0 and traced["dp"] > 0
+        assert traced["pp"] == 2 * rows * S * D * 4  # 2 steps; stage 0 forward, stage 1 backward
+
+
+def test_an_expert_parallel_checkpoint_moves_between_a_pipeline_and_none(tmp_path):
+    saved = runs.run_3d(dp=2, ep=2, tp=1, pp=2, steps=2, save_to=str(tmp_path / "pp"))
+    resumed = runs.run_3d(dp=4, ep=4, tp=1, pp=1, steps=3, resume_from=str(tmp_path / "pp"))
+    assert runs.check(saved) == [] and runs.check(resumed) == [] and resumed.start_step == 2
 
 
 def test_cli_runs_3d_with_ep_and_refuses_ep_zero(capsys):

@@ -21,6 +21,8 @@ gradient, which already sums every rank's tokens, is divided by n: the loss is t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -158,21 +160,31 @@ class ExpertParallel(nn.Module):
                                  f"an expert_dp_group of dp/ep = {len(dp_ranks) / len(ep_ranks):g} ranks, got {have}")
             comm.name_group(dp_group, "dp", unless_named=True)
         self.dp_size = comm.group_size(self.dp_group)
-        for i, block in enumerate(model.layers):
+        for i, block in model.layers.named_children():  # "0", "1"...; a pipeline stage's own blocks
             if isinstance(block.feed_forward, MoEFeedForward):
                 block.feed_forward = ExpertParallelFeedForward(block.feed_forward, group, f"ep/layers.{i}")
         self.expert_params = [p for layer in moe_layers(model) for p in layer.experts.parameters()]
         ids = {id(p) for p in self.expert_params}
         self.replicated_params = [p for p in model.parameters() if id(p) not in ids]
-        self._queued = False
+        self._queued, self._sync = False, True
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients and average nothing (a pipeline's micro-batches);
+        call ``finish_gradients`` after."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def _on_grad_ready(self, param) -> None:
-        if not self._queued:  # once per backward, when it is over
+        if self._sync and not self._queued:  # once per backward, when it is over
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradients)
             self._queued = True
 

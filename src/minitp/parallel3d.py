@@ -32,7 +32,7 @@ from minitp.layout import check_zero
 from minitp.memory import held_bytes
 from minitp.mesh import Mesh
 from minitp.models import Transformer, loss_fn, make_optimizer
-from minitp.models.moe import MoEConfig, aux_loss
+from minitp.models.moe import MoEConfig, aux_loss, moe_layers
 from minitp.pp import Pipeline, PipelineStage, StageSpec
 
 
@@ -53,7 +53,8 @@ class Parallel3D:
     schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP only.
     ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp ranks
     shares one set of experts (``ep.mesh_ep_groups``); ``ep.ExpertParallel`` then averages the
-    replicated gradients over dp and each expert's over its dp/ep copies, in place of DDP (tp = pp = 1).
+    replicated gradients over dp and each expert's over its dp/ep copies, in place of DDP (tp = 1;
+    with pp, each stage's MoE layers add coef/m of their auxiliary loss to the backward).
 
     device: where the model, the batches and the messages go; by default ``minitp.launch.device()``
     (``cuda:LOCAL_RANK`` under NCCL, else the CPU).
@@ -86,16 +87,16 @@ class Parallel3D:
             self.cp_group = _cp.mesh_cp_group(mesh, cp)
             _cp.parallelize(model, self.cp_group)
         # expert parallel: a MoE model's experts over ep of the dp ranks, the rest data parallel over dp
-        self.ep, self.expert_parallel = ep, None
+        self.ep, self.expert_parallel, ep_groups = ep, None, None
         if ep > 1:
-            if mesh.pp > 1 or mesh.tp > 1 or cp > 1 or data_parallel != "ddp":
-                raise ValueError(f"ep={ep} composes with dp (DDP) only; got pp={mesh.pp}, tp={mesh.tp}, cp={cp}, "
-                                 f"{data_parallel}")
+            if mesh.tp > 1 or cp > 1 or data_parallel != "ddp" or (mesh.pp > 1 and schedule == "interleaved"):
+                raise ValueError(f"ep={ep} composes with dp (DDP) and pp (not interleaved); got tp={mesh.tp}, "
+                                 f"cp={cp}, {data_parallel}, schedule={schedule!r}")
             if not isinstance(model.config, MoEConfig):
                 raise ValueError(f"ep={ep} needs a MoE model (minitp.models.moe), got {type(model.config).__name__}")
-            ep_group, expert_dp_group = _ep.mesh_ep_groups(mesh, ep)
-            self.expert_parallel = _ep.ExpertParallel(model, ep_group, mesh.dp_group, expert_dp_group)
-        if isinstance(model.config, MoEConfig):
+            ep_groups = _ep.mesh_ep_groups(mesh, ep)
+        moe = isinstance(model.config, MoEConfig)
+        if moe and mesh.pp == 1:
             loss = self.loss
             self.loss = lambda logits, targets: loss(logits, targets) + model.config.aux_loss_coef * aux_loss(model)
         self.pipeline = interleaved = None
@@ -110,6 +111,14 @@ class Parallel3D:
             module = interleaved.module
         else:
             module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+        if ep_groups is not None:  # the experts of the blocks this rank holds, over its stage's ep group
+            self.expert_parallel = _ep.ExpertParallel(module, ep_groups[0], mesh.dp_group, ep_groups[1])
+        # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward themselves
+        # (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
+        self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss (detached), pp > 1
+        if moe and mesh.pp > 1:
+            for layer in moe_layers(module):
+                layer.register_forward_hook(self._add_aux_loss(model.config.aux_loss_coef, microbatches))
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
         stage = StageSpec.of(module) if mesh.pp > 1 and interleaved is None else None
@@ -154,14 +163,25 @@ class Parallel3D:
             with _trace.span("backward"):
                 loss.backward()
             return loss.item()
-        wrapper = self.ddp or self.fsdp
+        wrapper = self.ddp or self.fsdp or self.expert_parallel
+        self.aux_per_step = 0.0
         with wrapper.no_sync() if wrapper else nullcontext():
             record = self.pipeline.forward_backward(tokens, targets)
         if self.ddp:
             self.ddp.all_reduce_gradients()
         elif self.fsdp:
             self.fsdp.reduce_gradients()
+        elif self.expert_parallel:
+            self.expert_parallel.finish_gradients()
         return record.loss
+
+    def _add_aux_loss(self, coef: float, microbatches: int):
+        """A forward hook on a MoE layer: its output carries coef/m times the layer's auxiliary loss
+        into the backward (``_AuxLossGrad``), as one process's coef · aux of the whole batch would."""
+        def hook(layer, args, out):
+            self.aux_per_step += float(layer.aux_loss) / microbatches
+            return _AuxLossGrad.apply(out, layer.aux_loss, coef / microbatches)
+        return hook
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         self.optimizer.zero_grad(set_to_none=False)
@@ -197,3 +217,18 @@ def unshard_3d(shards: list[list[dict]]) -> dict:
     for stage in shards:
         full.update(_tp.unshard(stage, 0))
     return full
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on a layer's output whose backward also gives ``aux`` (a scalar that depends on the
+    router) the gradient ``scale``: d(scale · aux)/d aux, added to the loss without reaching it."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.tensor(ctx.scale, dtype=torch.float32, device=grad.device), None
+

@@ -179,8 +179,10 @@ class MoEFeedForward(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's MoE feed-forward layers (plain or expert-parallel), in block order."""
-    return [block.feed_forward for block in model.layers if hasattr(block.feed_forward, "aux_loss")]
+    """The model's MoE feed-forward layers (plain or expert-parallel), in block order (a pipeline
+    stage's: the blocks it holds)."""
+    blocks = [block for _, block in model.layers.named_children()]
+    return [block.feed_forward for block in blocks if hasattr(block.feed_forward, "aux_loss")]
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

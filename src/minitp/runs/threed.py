@@ -29,13 +29,14 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
     par = Parallel3D(built, mesh, lr=train.lr, **options)
     if resume_from:
         checkpoint.load(par, resume_from, expected_step=start_step)
-    losses, times = [], []
+    losses, times, auxes = [], [], []
     events = _trace.current().events
     first = len(events)
     for tokens, targets in synthetic_batches(cfg, train)[start_step:]:
         t0 = time.perf_counter()
         loss = par.train_step(tokens, targets)
         times.append(time.perf_counter() - t0)
+        auxes.append(par.aux_per_step)  # a MoE in a pipeline: this stage's auxiliary loss
         if loss is not None:  # only the last stage computes the loss
             losses.append(loss)
     last = len(events)
@@ -44,9 +45,11 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
         checkpoint.save(par, save_to, step=train.steps)
     more = {}
     if par.expert_parallel is not None:  # the routing that happened: what the all-to-alls' bytes follow
-        layers = moe_layers(par.module)
-        more = {"kept": [[layer.history[s].tolist() for layer in layers] for s in range(len(times))],
-                "num_tensors": len(list(par.module.parameters()))}
+        layers = moe_layers(par.module)  # this stage's; each forward (a micro-batch) routed once per layer
+        m = len(layers[0].history) // len(times)
+        more = {"kept": [[layer.history[s * m + i].tolist() for i in range(m) for layer in layers]
+                         for s in range(len(times))],
+                "aux": auxes, "num_tensors": len(list(par.module.parameters()))}
     return worker_summary(losses, times, memory, coords=[mesh.coords.dp, mesh.coords.pp, mesh.coords.tp],
                           shards=par.local_shards(), steps_events=(first, last), **more)
 
@@ -91,7 +94,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         (default 2; DDP only).
     ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per block,
         top-2, capacity factor 1.25), each run of ep consecutive dp ranks sharing one set of experts,
-        dp/ep copies of each expert; the rest data parallel over dp (tp = pp = 1, DDP only).
+        dp/ep copies of each expert; the rest data parallel over dp (tp = 1, DDP; with pp, each stage's
+        experts over its stage's ep group, every stage adding its layers' auxiliary loss itself).
     """
     nproc = dp * cp * pp * tp if nproc is None else nproc
     train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
@@ -102,9 +106,9 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
     moe = None
     if ep > 1:
-        if pp > 1 or tp > 1 or cp > 1 or fsdp:
-            raise ValueError(f"ep={ep} composes with dp (DDP) only: tp and pp must be 1, without --cp or --fsdp "
-                             f"(got tp={tp}, pp={pp}, cp={cp}, fsdp={fsdp})")
+        if tp > 1 or cp > 1 or fsdp or (pp > 1 and schedule == "interleaved"):
+            raise ValueError(f"ep={ep} composes with dp (DDP) and pp: tp must be 1, without --cp, --fsdp or the "
+                             f"interleaved schedule (got tp={tp}, cp={cp}, fsdp={fsdp}, schedule={schedule!r})")
         layout.check_divisible("dp", dp, "ep", ep, ": each run of ep dp ranks shares one set of experts")
         layout.check_divisible("experts", experts, "ep", ep, ": every rank holds experts/ep of them")
         moe = moe_config(cfg, n_experts=experts)
@@ -140,7 +144,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
                      resume_from, save_to, backend=backend, timeout=timeout, echo=False)
     ran = steps - start_step
     if moe is not None:
-        return _ep_report(moe, dp, ep, results, model, train, start_step, resume_from, save_to)
+        return _ep_report(moe, dp, ep, pp, results, model, train, start_step, resume_from, save_to,
+                          microbatches if pp > 1 else None, schedule if pp > 1 else None)
     by_dim = []
     for r in results:
         d, s, _ = r["coords"]
@@ -175,30 +180,45 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to)
 
 
-def _ep_report(cfg: MoEConfig, dp: int, ep: int, results, model: str, train: TrainConfig, start_step: int,
-               resume_from: str | None, save_to: str | None) -> Report:
-    """A dp × ep run of the MoE model against one process, its bytes against ``cost.ep3d_run_bytes`` of
-    the routing each ep group's ranks reported, its memory against ``cost.ep_memory_per_rank``."""
+def _ep_report(cfg: MoEConfig, dp: int, ep: int, pp: int, results, model: str, train: TrainConfig,
+               start_step: int, resume_from: str | None, save_to: str | None, microbatches: int | None,
+               schedule: str | None) -> Report:
+    """A dp × ep (× pp) run of the MoE model against one process, its bytes against ``cost.ep3d_run_bytes``
+    of the routing each ep group's ranks reported (plus the pipeline's sends), its memory against
+    ``cost.ep_mesh_memory_per_rank``. With pp > 1 the last stage's loss is the cross-entropy; each
+    stage reported its layers' auxiliary loss, added here to compare with one process."""
     steps = train.steps - start_step
-    replicated, _ = cost.moe_param_split(cfg)
-    expert_params = cost.ep_params_per_rank(cfg, ep) - replicated
-    by_dim, replicas = [], []
-    for first in range(0, dp, ep):  # one ep group: dp ranks first .. first+ep-1 (pp = tp = 1)
-        group = [results[r] for r in range(first, first + ep)]
-        counts = [[[g["kept"][s][layer] for g in group] for layer in range(cfg.n_layers)] for s in range(steps)]
-        by_dim += [cost.ep3d_run_bytes(counts, i, cfg.dim, replicated, expert_params, dp, ep) for i in range(ep)]
-        replicas.append(ep_full_state([{k: v for k, (v, _) in g["shards"].items()} for g in group]))
-    expected_memory = [cost.ep_memory_per_rank(cfg, ep, num_tensors=r["num_tensors"]) for r in results]
-    per_rank = [{**{k: v for k, v in r.items() if k != "shards"}, "state": replicas[r["coords"][0] // ep]}
-                for r in results]
+    rows, by_rank, replicas = train.batch_size // dp, {}, [{} for _ in range(dp // ep)]
+    for stage in range(pp):
+        dense, experts = cost.ep_stage_unit_numels(cfg, 1, pp, stage, ep)
+        pp_bytes = steps * cost.pp_step_bytes(rows, train.seq_len, cfg.dim, pp, stage)
+        for first in range(0, dp, ep):  # one ep group: dp ranks first .. first+ep-1 of this stage
+            ranks = [layout.rank_of(d, stage, 0, pp, 1) for d in range(first, first + ep)]
+            group = [results[r] for r in ranks]
+            counts = [[[g["kept"][s][j] for g in group] for j in range(len(group[0]["kept"][s]))] for s in range(steps)]
+            for i, r in enumerate(ranks):
+                sent = cost.ep3d_run_bytes(counts, i, cfg.dim, sum(dense), sum(experts), dp, ep)
+                by_rank[r] = {**sent, "pp": pp_bytes}
+            replicas[first // ep].update(ep_full_state([{k: v for k, (v, _) in g["shards"].items()} for g in group]))
+    by_dim = [by_rank[r] for r in range(len(results))]
+    expected_memory = [cost.ep_mesh_memory_per_rank(cfg, dp, 1, pp, r["coords"][1], ep) for r in results]
+    per_rank = []
+    for r in results:
+        d, stage, _ = r["coords"]
+        losses = r["losses"]
+        if pp > 1 and losses:  # the cross-entropy, plus every stage's auxiliary loss of this replica
+            aux = [sum(results[layout.rank_of(d, q, 0, pp, 1)]["aux"][s] for q in range(pp)) for s in range(steps)]
+            losses = [loss + cfg.aux_loss_coef * a for loss, a in zip(losses, aux)]
+        per_rank.append({**{k: v for k, v in r.items() if k != "shards"}, "losses": losses,
+                         "state": replicas[d // ep]})
     ref_losses, ref_state, _ = moe_reference(cfg, train)
     return build_report(
-        "3d", {"dp": dp, "tp": 1, "pp": 1, "ep": ep}, per_rank, results, model, replace(train, steps=steps),
+        "3d", {"dp": dp, "tp": 1, "pp": pp, "ep": ep}, per_rank, results, model, replace(train, steps=steps),
         [sum(b.values()) for b in by_dim], expected_memory, reference=(ref_losses[start_step:], ref_state),
         num_params=cfg.num_params(), start_step=start_step,
         comm_bytes_traced_by_dim=[_bytes_by_dim(t.events) for t in results.traces],
         comm_bytes_expected_by_dim=by_dim, data_parallel="ddp", end_step=train.steps, resumed_from=resume_from,
-        saved_to=save_to,
+        saved_to=save_to, microbatches=microbatches, schedule=schedule,
         coords=[r["coords"] for r in results], experts=cfg.n_experts, top_k=cfg.top_k,
         params_per_rank=cost.ep_params_per_rank(cfg, ep))
 
@@ -210,7 +230,7 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring",
            low=1),
     Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
-           "(tp=pp=1, DDP)", low=1),
+           "(tp=1, DDP)", low=1),
     Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1),
     Option("fsdp", bool, False, "FSDP across replicas instead of DDP"),
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
