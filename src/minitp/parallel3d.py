@@ -115,7 +115,8 @@ class Parallel3D:
             self.expert_parallel = _ep.ExpertParallel(module, ep_groups[0], mesh.dp_group, ep_groups[1])
         # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward themselves
         # (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
-        self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss (detached), pp > 1
+        self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss, pp > 1
+        self._aux_parts: list[torch.Tensor] = []  # its pieces, detached, read once the step is over
         if moe and mesh.pp > 1:
             for layer in moe_layers(module):
                 layer.register_forward_hook(self._add_aux_loss(model.config.aux_loss_coef, microbatches))
@@ -164,9 +165,10 @@ class Parallel3D:
                 loss.backward()
             return loss.item()
         wrapper = self.ddp or self.fsdp or self.expert_parallel
-        self.aux_per_step = 0.0
         with wrapper.no_sync() if wrapper else nullcontext():
             record = self.pipeline.forward_backward(tokens, targets)
+        self.aux_per_step = float(sum(self._aux_parts)) if self._aux_parts else 0.0  # one sync, not one per layer
+        self._aux_parts.clear()
         if self.ddp:
             self.ddp.all_reduce_gradients()
         elif self.fsdp:
@@ -179,7 +181,7 @@ class Parallel3D:
         """A forward hook on a MoE layer: its output carries coef/m times the layer's auxiliary loss
         into the backward (``_AuxLossGrad``), as one process's coef · aux of the whole batch would."""
         def hook(layer, args, out):
-            self.aux_per_step += float(layer.aux_loss) / microbatches
+            self._aux_parts.append(layer.aux_loss.detach() / microbatches)
             return _AuxLossGrad.apply(out, layer.aux_loss, coef / microbatches)
         return hook
 
