@@ -67,7 +67,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     check_positive("cp", cp)
     if cp > 1:  # zig-zag chunks: 2·cp pieces of the sequence, two per rank
         check_divisible("seq_len", seq_len, "2·cp", 2 * cp)
-    moe = check_ep(cfg, ep)
+    moe = cost.check_ep(cfg, ep)
     if moe:
         check_divisible("expert_hidden", cfg.expert_hidden, "tp", tp)
         check_divisible("dp·cp", dp * cp, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
@@ -117,19 +117,6 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     }
 
 
-def check_ep(cfg: ModelConfig, ep: int) -> bool:
-    """Refuse an ep the model cannot take (not a size; > 1 for a dense model; not dividing n_experts);
-    True when ``cfg`` is a MoE."""
-    check_positive("ep", ep)
-    moe = hasattr(cfg, "n_experts")
-    if ep > 1 and not moe:
-        raise ValueError(f"ep={ep} needs a mixture-of-experts model (a MoEConfig, e.g. --model mixtral-8x7b), "
-                         f"got a dense {type(cfg).__name__}")
-    if moe:
-        check_divisible("n_experts", cfg.n_experts, "ep", ep)
-    return moe
-
-
 def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, batch_size: int | None = None,
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
          precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
@@ -150,7 +137,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
         raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
     check_positive("cp", cp)
     check_divisible("gpus", gpus, "cp", cp)
-    if check_ep(cfg, ep):
+    if cost.check_ep(cfg, ep):
         check_divisible("gpus", gpus, "ep", ep, ": the experts are split over ep of the data-parallel GPUs")
     batch_size = batch_size or gpus // cp
     seq_len = seq_len or cfg.max_seq_len

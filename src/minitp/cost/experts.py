@@ -97,6 +97,21 @@ def moe_all_to_all_bytes(tokens: int, dim: int, top_k: int, ep: int, dispatch_by
     return out
 
 
+def check_ep(cfg, ep: int) -> bool:
+    """Refuse an ep the model cannot take (not a size; > 1 for a dense model; not dividing n_experts);
+    True when ``cfg`` is a MoE."""
+    from minitp.layout import check_positive
+
+    check_positive("ep", ep)
+    moe = hasattr(cfg, "n_experts")
+    if ep > 1 and not moe:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model (a MoEConfig, e.g. --model mixtral-8x7b), "
+                         f"got a dense {type(cfg).__name__}")
+    if moe:
+        check_divisible("n_experts", cfg.n_experts, "ep", ep)
+    return moe
+
+
 def active_params(cfg) -> int:
     """Parameters one token goes through: all of a dense model's; a MoE's replicated ones and k of the E
     experts of each layer (Mixtral 8x7B: 12.9 of 46.7 B). Training FLOPs count these (6 per token)."""
@@ -226,7 +241,7 @@ def moe_activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: 
         pp, microbatches, stage, "1f1b")
 
 
-__all__ = ["COUNT_BYTES", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "moe_param_split",
+__all__ = ["COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "moe_param_split",
            "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
            "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
            "moe_activation_bytes_per_rank"]

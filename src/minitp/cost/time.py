@@ -241,13 +241,12 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     overlaps: gloo copies and adds the bytes on the same cores that compute.
     """
     from minitp.cost.context import cp_mesh_step_bytes
-    from minitp.cost.experts import ep_mesh_step_bytes
+    from minitp.cost.experts import check_ep, ep_mesh_step_bytes
     from minitp.cost.threed import rank_num_blocks
     from minitp.layout import check_positive
 
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
-    check_positive("ep", ep)
     gpus, m = dp * cp * pp * tp, microbatches if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     tokens = batch * seq
@@ -263,9 +262,7 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     links = links_of_layout(dp, pp, tp, device, cp, ep)
     worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0, "ep": 0.0}
     sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp, "ep": ep}
-    moe = hasattr(cfg, "n_experts")
-    if ep > 1 and not moe:
-        raise ValueError(f"ep={ep} needs a MoE model (a MoEConfig, minitp.models.moe), got {type(cfg).__name__}")
+    moe = check_ep(cfg, ep)
     for stage in range(pp):
         kept = dict(data_parallel=data_parallel, zero=zero, activation_bytes=b, param_bytes=b, grad_bytes=b,
                     sequence_parallel=sequence_parallel, recompute=recompute, virtual_stages=v)
