@@ -23,7 +23,8 @@ def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int)
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from minitp.ddp import DistributedDataParallel, split_batch
-    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
 
     steps_in_all = warmup + rounds * steps
     cfg, train = get_config(model_name), harness.train_config(model_name, steps_in_all, harness.rows_for(model_name))

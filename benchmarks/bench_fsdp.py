@@ -26,7 +26,8 @@ def _worker(model_name: str, variant: str, rounds: int, steps: int, warmup: int)
 
     from minitp.ddp import split_batch
     from minitp.fsdp import FullyShardedDataParallel
-    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
 
     zero, reshard = ZERO[variant]
     steps_in_all = warmup + rounds * steps

@@ -28,7 +28,8 @@ def _worker(model_name: str, schedule: str, rounds: int, steps: int, warmup: int
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
 
-    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
     from minitp.pp import Pipeline, PipelineStage
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -52,7 +52,8 @@ def _worker(model_name: str, plan: str, rounds: int, steps: int, warmup: int) ->
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from minitp import tp
-    from minitp.models import build_model, get_config, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config
+    from minitp.models.train import make_optimizer, synthetic_batches
 
     steps_in_all = warmup + rounds * steps
     cfg, train = get_config(model_name), harness.train_config(model_name, steps_in_all, harness.rows_for(model_name))

@@ -83,7 +83,7 @@ class Comparison:
 def train_config(model_name: str, steps: int, rows: int | None = None):
     """The global batch (B, S) a comparison trains on: (16, 32) on the tiny model, (8, 64) on the
     small one (``rows`` replaces B)."""
-    from minitp.models import TrainConfig
+    from minitp.models.train import TrainConfig
 
     batch, seq = {"tiny": (16, 32)}.get(model_name, (8, 64))
     return TrainConfig(steps=steps, batch_size=rows or batch, seq_len=seq)
@@ -178,7 +178,7 @@ def summarize(comparison: Comparison, per_rank: list[dict], load_before: list[fl
 def run_comparison(comparison: Comparison, rounds: int, steps: int, warmup: int, timeout: float = 600,
                    quick: bool = False) -> dict:
     """Launch one comparison on its ranks and summarize it (``quick``: the timing given, as is)."""
-    from minitp.launch import launch
+    from minitp.launcher import launch
 
     timing = {"rounds": rounds, "steps": steps, "warmup": warmup}
     if not quick:

@@ -13,7 +13,7 @@ Two machines of 4 processes each (run on both, NODE_RANK 0 and 1; HOST is the fi
 Under torchrun nothing is started: every process runs the same code (``minitp.launch`` runs in place),
 the ranks are placed tp-fastest so each tensor-parallel pair stays inside one machine, and the first
 rank prints the report. With ``--backend nccl`` each process computes on its own GPU, ``cuda:LOCAL_RANK``
-(``minitp.launch.device``): the model, the batches and every message go there.
+(``minitp.launcher.device``): the model, the batches and every message go there.
 """
 
 import argparse
@@ -21,8 +21,8 @@ import os
 import sys
 
 from minitp import runs
-from minitp.launch import under_torchrun
-from minitp.layout import check_tp_within_node
+from minitp.grid import check_tp_within_node
+from minitp.launcher import under_torchrun
 
 
 def main() -> int:

@@ -8,16 +8,9 @@ import pytest
 import torch
 
 from minitp import checkpoint, runs
-from minitp.launch import RankError, launch
-from minitp.models import (
-    TrainConfig,
-    build_model,
-    get_config,
-    loss_fn,
-    make_optimizer,
-    synthetic_batches,
-    train_reference,
-)
+from minitp.launcher import RankError, launch
+from minitp.models import build_model, get_config, loss_fn
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
 
 TINY = get_config("tiny")
 

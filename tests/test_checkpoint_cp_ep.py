@@ -33,7 +33,7 @@ def test_a_checkpoint_saved_under_context_parallel_and_a_pipeline_resumes_on_one
 
 
 def test_a_dense_checkpoint_does_not_load_into_the_moe_model(tmp_path):
-    from minitp.launch import RankError
+    from minitp.launcher import RankError
 
     runs.run_3d(dp=2, tp=1, pp=1, steps=1, save_to=str(tmp_path / "dense"))
     with pytest.raises(RankError, match="saved from .*no n_experts.*this model has .*n_experts=8"):

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import minitp
-from minitp import comm
+from minitp import comm, regions
 
 
 def _every_collective():
@@ -83,13 +83,13 @@ def _tensor_parallel_operators():
     w = torch.randn(4, 6)
     # y = x @ w with w split by columns: f (copy) in, gather out
     local_w = w.chunk(n, dim=1)[r]
-    y = comm.gather_from_parallel(comm.copy_to_parallel(x) @ local_w, dim=-1)
+    y = regions.gather_from_parallel(regions.copy_to_parallel(x) @ local_w, dim=-1)
     y.pow(2).sum().backward()
     grad_col = x.grad.clone()
     # the same product with w split by rows: split x's features, g (reduce) out
     x.grad = None
     local_w_rows = w.chunk(n, dim=0)[r]
-    z = comm.reduce_from_parallel(comm.split_to_parallel(x, dim=-1) @ local_w_rows)
+    z = regions.reduce_from_parallel(regions.split_to_parallel(x, dim=-1) @ local_w_rows)
     z.pow(2).sum().backward()
     return y.detach(), grad_col, z.detach(), x.grad.clone()
 

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from minitp import cost, plan
-from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY, TrainConfig
+from minitp import calibrate, cost, plan
+from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 from minitp.models.moe import moe_config
+from minitp.models.train import TrainConfig
 
 MIB, GIB = 2**20, 2**30
 LINK = cost.Link("test", alpha_s=1e-6, bytes_per_s=1e3)
@@ -119,20 +120,20 @@ def calibration(tmp_path, monkeypatch):
 
 
 def test_this_machine_is_read_from_the_calibration_the_environment_names(calibration):
-    device = cost.this_machine()
+    device = calibrate.this_machine()
     assert device.flops_per_s == 5e10 and device.intra.alpha_s == 5e-5 and device.inter.bytes_per_s == 1e9
-    assert cost.calibration_path() == str(calibration)
+    assert calibrate.calibration_path() == str(calibration)
 
 
 def test_no_or_broken_calibration_reads_as_none(tmp_path, monkeypatch):
     monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "absent.json"))
-    assert cost.this_machine() is None
+    assert calibrate.this_machine() is None
     (tmp_path / "bad.json").write_text('{"flops_per_s": "fast"}')
-    assert cost.load_calibration(str(tmp_path / "bad.json")) is None
+    assert calibrate.load_calibration(str(tmp_path / "bad.json")) is None
 
 
 def test_ranks_beyond_the_cores_share_them(calibration):
-    device = cost.this_machine()
+    device = calibrate.this_machine()
     assert cost.compute_time(1e9, device, ranks_on_machine=4) == pytest.approx(2 * cost.compute_time(1e9, device))
 
 
@@ -141,7 +142,7 @@ def test_a_run_report_carries_the_predicted_step_from_the_calibration(calibratio
 
     train = TrainConfig(steps=2, batch_size=8, seq_len=16)
     predicted, note = predicted_step_s("ddp", {"dp": 2, "tp": 1, "pp": 1}, TINY, train, {"num_buckets": 3})
-    want = cost.step_time(TINY, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", buckets=3).step_s
+    want = cost.step_time(TINY, 8, 16, dp=2, device=calibrate.this_machine(), precision="fp32", buckets=3).step_s
     assert note is None and predicted == pytest.approx(want)
     assert predicted_step_s("swiglu", {"dp": 1, "tp": 2, "pp": 1}, TINY, train, {})[0] is None
     monkeypatch.setenv("MINITP_CALIBRATION", "/nonexistent/calibration.json")
@@ -201,21 +202,21 @@ def test_context_and_expert_parallel_runs_are_predicted_with_their_messages(cali
 
     train = TrainConfig(steps=2, batch_size=8, seq_len=16)
     predicted, note = predicted_step_s("cp", {"dp": 1, "tp": 1, "pp": 1, "cp": 2}, TINY, train, {})
-    want = cost.step_time(TINY, 8, 16, device=cost.this_machine(), precision="fp32", cp=2)
+    want = cost.step_time(TINY, 8, 16, device=calibrate.this_machine(), precision="fp32", cp=2)
     assert note is None and predicted == pytest.approx(want.step_s) and want.cp_s > 0
     # minitp run ep --nproc 2: the MoE of the tiny preset, experts over both ranks; per step and MoE layer
     # 4 all-to-alls (dispatch, combine, their gradients) of k·T·(ep-1)/ep rows of D fp32 values, T = 8/2·16
     details = {"experts": 8, "top_k": 2, "capacity_factor": 1.25}
     predicted, note = predicted_step_s("ep", {"dp": 2, "tp": 1, "pp": 1, "ep": 2}, TINY, train, details)
     moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
-    want = cost.step_time(moe, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", ep=2)
-    link = cost.this_machine().intra
+    want = cost.step_time(moe, 8, 16, dp=2, device=calibrate.this_machine(), precision="fp32", ep=2)
+    link = calibrate.this_machine().intra
     a2a_bytes = TINY.n_layers * 4 * (2 * 8 // 2 * 16 * 1 / 2) * TINY.dim * 4
     assert want.ep_s == pytest.approx(TINY.n_layers * 4 * link.alpha_s + a2a_bytes / link.bytes_per_s)
     assert note is None and predicted == pytest.approx(want.step_s)
     # against every expert on both ranks: the same compute, the all-to-alls added, the experts' gradients
     # no longer all-reduced (each has one copy)
-    whole = cost.step_time(moe, 8, 16, dp=2, device=cost.this_machine(), precision="fp32")
+    whole = cost.step_time(moe, 8, 16, dp=2, device=calibrate.this_machine(), precision="fp32")
     assert whole.ep_s == 0 and want.compute_s == whole.compute_s and want.dp_s < whole.dp_s
     assert want.step_s == pytest.approx(whole.step_s - whole.dp_exposed_s + want.dp_exposed_s + want.ep_s)
 
@@ -238,7 +239,7 @@ def test_minitp_run_reports_its_predicted_step_next_to_the_measured_one(calibrat
 
     report = runs.run_ddp(nproc=2, steps=2)
     assert report.predicted_step_s == pytest.approx(cost.step_time(
-        TINY, 8, 16, dp=2, device=cost.this_machine(), precision="fp32", buckets=report["num_buckets"]).step_s)
+        TINY, 8, 16, dp=2, device=calibrate.this_machine(), precision="fp32", buckets=report["num_buckets"]).step_s)
     assert "predicted" in report.format() and report.to_dict()["predicted_step_s"] == report.predicted_step_s
 
 

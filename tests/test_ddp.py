@@ -10,7 +10,8 @@ import torch.nn as nn
 import minitp
 from minitp import cost, runs
 from minitp.ddp import DistributedDataParallel, DistributedSampler, all_reduce_mean, split_batch
-from minitp.models import TINY, TrainConfig, build_model, loss_fn, make_optimizer, synthetic_batches, train_reference
+from minitp.models import TINY, build_model, loss_fn
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
 
 TRAIN = TrainConfig(steps=4, batch_size=8)
 PARAM_BYTES = [p.numel() * 4 for p in build_model(TINY).parameters()][::-1]  # backward order

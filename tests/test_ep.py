@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from minitp import comm, cost, ep
-from minitp.launch import launch
-from minitp.models import TINY, FeedForward, build_moe_model, moe_config, moe_loss
-from minitp.models.moe import capacity_mask, load_balancing_loss, moe_layers, route
+from minitp.launcher import launch
+from minitp.models import TINY, FeedForward
+from minitp.models.moe import (
+    build_moe_model,
+    capacity_mask,
+    load_balancing_loss,
+    moe_config,
+    moe_layers,
+    moe_loss,
+    route,
+)
 from minitp.registry import STRATEGIES, OptionError
 from minitp.runs import run_ep
 

@@ -3,18 +3,18 @@
 import pytest
 import torch
 
-from minitp import comm
+from minitp import comm, regions
 from minitp.exercises import ExerciseError, ch03
 from minitp.exercises.heads import causal_attention
 
 
 # -- the row-parallel forward --------------------------------------------------------------------
 def row_right(x_shard, weight_shard, bias, group):
-    return comm.reduce_from_parallel(x_shard @ weight_shard.T, group) + bias
+    return regions.reduce_from_parallel(x_shard @ weight_shard.T, group) + bias
 
 
 def row_bias_on_every_rank(x_shard, weight_shard, bias, group):
-    return comm.reduce_from_parallel(x_shard @ weight_shard.T + bias, group)
+    return regions.reduce_from_parallel(x_shard @ weight_shard.T + bias, group)
 
 
 def row_no_all_reduce(x_shard, weight_shard, bias, group):
@@ -22,11 +22,11 @@ def row_no_all_reduce(x_shard, weight_shard, bias, group):
 
 
 def row_wrong_dimension(x_shard, weight_shard, bias, group):
-    return comm.reduce_from_parallel(x_shard @ weight_shard, group) + bias
+    return regions.reduce_from_parallel(x_shard @ weight_shard, group) + bias
 
 
 def row_all_reduce_in_backward_too(x_shard, weight_shard, bias, group):
-    y = comm.reduce_from_parallel(comm.copy_to_parallel(x_shard @ weight_shard.T, group), group)
+    y = regions.reduce_from_parallel(regions.copy_to_parallel(x_shard @ weight_shard.T, group), group)
     return y + bias
 
 
@@ -143,7 +143,7 @@ def heads_attention(x, wq, wk, wv, wo, n_heads, group, *, f=True, g=True, split_
     dh, h = wq.shape[0] // n_heads, n_heads // n
     mine = slice(r * h * dh, (r + 1) * h * dh)
     if f:
-        x = comm.copy_to_parallel(x, group)
+        x = regions.copy_to_parallel(x, group)
 
     def heads(w):
         w = w[mine] if split_dim == 0 else w[:, mine].T  # planted: the input features split instead
@@ -151,7 +151,7 @@ def heads_attention(x, wq, wk, wv, wo, n_heads, group, *, f=True, g=True, split_
 
     out = causal_attention(heads(wq), heads(wk), heads(wv)).transpose(1, 2).reshape(B, S, h * dh)
     partial = out @ wo[:, mine].T
-    return comm.reduce_from_parallel(partial, group) if g else partial
+    return regions.reduce_from_parallel(partial, group) if g else partial
 
 
 def test_parallel_attention_passes(capsys):

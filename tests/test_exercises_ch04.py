@@ -3,7 +3,7 @@
 import pytest
 import torch.nn.functional as F
 
-from minitp import comm
+from minitp import comm, regions
 from minitp.exercises import ExerciseError, ch04
 from minitp.exercises.heads import causal_attention
 
@@ -62,29 +62,29 @@ def test_split_swiglu_catches_mistakes(answer, message):
 
 # -- the parallel forward -----------------------------------------------------------------------------
 def swiglu_right(x, w1, w3, w2, group):
-    x = comm.copy_to_parallel(x, group)
+    x = regions.copy_to_parallel(x, group)
     h = F.silu(F.linear(x, w1)) * F.linear(x, w3)
-    return comm.reduce_from_parallel(F.linear(h, w2), group)
+    return regions.reduce_from_parallel(F.linear(h, w2), group)
 
 
 def swiglu_forgets_g(x, w1, w3, w2, group):
-    x = comm.copy_to_parallel(x, group)
+    x = regions.copy_to_parallel(x, group)
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 def swiglu_forgets_f(x, w1, w3, w2, group):
-    return comm.reduce_from_parallel(F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2), group)
+    return regions.reduce_from_parallel(F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2), group)
 
 
 def swiglu_sums_before_silu(x, w1, w3, w2, group):
-    x = comm.copy_to_parallel(x, group)
-    a = comm.reduce_from_parallel(F.linear(x, w1), group)
-    return comm.reduce_from_parallel(F.linear(F.silu(a) * F.linear(x, w3), w2), group)
+    x = regions.copy_to_parallel(x, group)
+    a = regions.reduce_from_parallel(F.linear(x, w1), group)
+    return regions.reduce_from_parallel(F.linear(F.silu(a) * F.linear(x, w3), w2), group)
 
 
 def swiglu_f_per_linear(x, w1, w3, w2, group):
-    h = F.silu(F.linear(comm.copy_to_parallel(x, group), w1)) * F.linear(comm.copy_to_parallel(x, group), w3)
-    return comm.reduce_from_parallel(F.linear(h, w2), group)
+    h = F.silu(F.linear(regions.copy_to_parallel(x, group), w1)) * F.linear(regions.copy_to_parallel(x, group), w3)
+    return regions.reduce_from_parallel(F.linear(h, w2), group)
 
 
 def test_parallel_swiglu_accepts_the_answer(capsys):
@@ -129,7 +129,7 @@ def gqa_attention(x, wq, wk, wv, wo, n_heads, n_kv_heads, group, *, g=True, repe
     hq, hkv = n_heads // n, n_kv_heads // n
     q_rows = slice(r * hq * dh, (r + 1) * hq * dh)
     kv_rows = q_rows if kv_like_q else slice(r * hkv * dh, (r + 1) * hkv * dh)
-    x = comm.copy_to_parallel(x, group)
+    x = regions.copy_to_parallel(x, group)
 
     def heads(w, rows):
         w = w[rows]
@@ -143,7 +143,7 @@ def gqa_attention(x, wq, wk, wv, wo, n_heads, n_kv_heads, group, *, g=True, repe
         k, v = k.repeat(1, group_size, 1, 1), v.repeat(1, group_size, 1, 1)
     out = causal_attention(q, k, v).transpose(1, 2).reshape(B, S, hq * dh)
     partial = out @ wo[:, q_rows].T
-    return comm.reduce_from_parallel(partial, group) if g else partial
+    return regions.reduce_from_parallel(partial, group) if g else partial
 
 
 def test_gqa_attention_passes(capsys):

@@ -193,7 +193,7 @@ def test_make_groups_hang_is_named_when_a_rank_skips_other_groups():
     def own_groups_only(dp, pp, tp):  # new_group is collective over the world: skipping one hangs
         import torch.distributed as dist
 
-        from minitp.layout import group_lists
+        from minitp.grid import group_lists
 
         rank, mine = dist.get_rank(), {}
         for dim, lists in group_lists(dp, pp, tp).items():

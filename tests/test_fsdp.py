@@ -18,8 +18,9 @@ import torch
 
 from minitp import cli, cost, references, runs
 from minitp.fsdp import FullyShardedDataParallel, plan_units, unit_numels
-from minitp.launch import launch
-from minitp.models import TrainConfig, build_model, get_config, loss_fn, synthetic_batches
+from minitp.launcher import launch
+from minitp.models import build_model, get_config, loss_fn
+from minitp.models.train import TrainConfig, synthetic_batches
 
 CFG = get_config("tiny")
 TRAIN = TrainConfig(steps=4, batch_size=12)  # 12 splits over 1, 2, 3 and 4 ranks
@@ -48,7 +49,8 @@ def _fsdp_configs_worker(train, adam_configs, sgd_configs):
     from minitp import trace
     from minitp.ddp import split_batch
     from minitp.fsdp import FullyShardedDataParallel
-    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
     from minitp.runs import train_steps
 
     cfg, rank, out = get_config("tiny"), dist.get_rank(), {"adam": [], "sgd": []}
@@ -158,7 +160,8 @@ def _against_fully_shard_worker(train, mixed):
 
     from minitp.ddp import split_batch
     from minitp.fsdp import FullyShardedDataParallel
-    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
 
     cfg = get_config("tiny")
     ours_model = build_model(cfg, seed=train.seed)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from minitp import layout
+from minitp import grid, layout
 from minitp.models import LLAMA3_70B, TINY
 
 
@@ -44,85 +44,85 @@ def test_a_batch_must_split_evenly_over_the_data_parallel_ranks():
 
 # -- the mesh --------------------------------------------------------------------------------------
 def test_layouts_lists_every_factorisation_of_the_world_once():
-    got = layout.layouts(8)
+    got = grid.layouts(8)
     assert len(got) == len(set(got)) == 10  # 2^3 into three ordered factors: C(5, 2)
     assert all(dp * pp * tp == 8 for dp, pp, tp in got)
-    assert layout.layouts(1) == [(1, 1, 1)]
-    assert layout.layouts(7) == [(7, 1, 1), (1, 7, 1), (1, 1, 7)]
+    assert grid.layouts(1) == [(1, 1, 1)]
+    assert grid.layouts(7) == [(7, 1, 1), (1, 7, 1), (1, 1, 7)]
 
 
 def test_rank_of_places_tp_fastest_then_pp_then_dp():
-    assert layout.rank_of(0, 0, 1, pp=2, tp=2) == 1  # next tp rank: next rank
-    assert layout.rank_of(0, 1, 0, pp=2, tp=2) == 2  # next stage: tp ranks further
-    assert layout.rank_of(1, 0, 0, pp=2, tp=2) == 4  # next replica: pp·tp ranks further
-    assert layout.coordinates(5, 2, 2, 2) == layout.Coordinates(dp=1, pp=0, tp=1)
+    assert grid.rank_of(0, 0, 1, pp=2, tp=2) == 1  # next tp rank: next rank
+    assert grid.rank_of(0, 1, 0, pp=2, tp=2) == 2  # next stage: tp ranks further
+    assert grid.rank_of(1, 0, 0, pp=2, tp=2) == 4  # next replica: pp·tp ranks further
+    assert grid.coordinates(5, 2, 2, 2) == grid.Coordinates(dp=1, pp=0, tp=1)
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(2, 2, 2), (1, 3, 2), (4, 1, 1), (2, 1, 3)])
 def test_coordinates_invert_rank_of(dp, pp, tp):
     for rank in range(dp * pp * tp):
-        c = layout.coordinates(rank, dp, pp, tp)
-        assert layout.rank_of(c.dp, c.pp, c.tp, pp, tp) == rank
+        c = grid.coordinates(rank, dp, pp, tp)
+        assert grid.rank_of(c.dp, c.pp, c.tp, pp, tp) == rank
 
 
 def test_coordinates_refuse_a_rank_outside_the_mesh():
     with pytest.raises(ValueError, match=r"^rank 8 is not in a mesh of dp\*pp\*tp = 8 ranks$"):
-        layout.coordinates(8, 2, 2, 2)
+        grid.coordinates(8, 2, 2, 2)
     with pytest.raises(ValueError, match="rank -1 is not in a mesh"):
-        layout.coordinates(-1, 2, 2, 2)
+        grid.coordinates(-1, 2, 2, 2)
 
 
 def test_each_group_fixes_two_coordinates_and_runs_the_third():
-    groups = layout.group_lists(2, 3, 2)
+    groups = grid.group_lists(2, 3, 2)
     for dim, lists in groups.items():
         assert sorted(r for g in lists for r in g) == list(range(12)), dim
         for ranks in lists:
-            coords = [layout.coordinates(r, 2, 3, 2) for r in ranks]
+            coords = [grid.coordinates(r, 2, 3, 2) for r in ranks]
             assert [getattr(c, dim) for c in coords] == list(range(len(ranks)))
             others = {tuple(v for k, v in vars(c).items() if k != dim) for c in coords}
             assert len(others) == 1, (dim, ranks)
 
 
 def test_check_layout_names_the_product_and_the_world():
-    layout.check_layout(2, 2, 2, 8)
+    grid.check_layout(2, 2, 2, 8)
     with pytest.raises(ValueError, match=r"^dp\*pp\*tp = 2\*2\*3 = 12 but the world has 8 ranks$"):
-        layout.check_layout(2, 2, 3, 8)
+        grid.check_layout(2, 2, 3, 8)
     with pytest.raises(ValueError, match="^tp must be an integer >= 1, got 0$"):
-        layout.check_layout(8, 1, 0, 8)
+        grid.check_layout(8, 1, 0, 8)
     with pytest.raises(ValueError, match="^dp must be an integer >= 1, got True$"):
-        layout.check_layout(True, 1, 1, 1)
+        grid.check_layout(True, 1, 1, 1)
 
 
 def test_a_tensor_parallel_group_stays_inside_one_machine():
-    layout.check_tp_within_node(4, 8)
+    grid.check_tp_within_node(4, 8)
     with pytest.raises(ValueError, match="tp=4 does not divide the 6 processes per node.*a multiple of 4"):
-        layout.check_tp_within_node(4, 6)
+        grid.check_tp_within_node(4, 6)
 
 
 def test_check_zero_defaults_to_3_and_to_1_with_a_pipeline():
-    assert layout.check_zero("ddp", None, 2) is None
-    assert layout.check_zero("fsdp", None, 1) == 3
-    assert layout.check_zero("fsdp", None, 2) == 1
-    assert layout.check_zero("fsdp", 2, 1) == 2
+    assert grid.check_zero("ddp", None, 2) is None
+    assert grid.check_zero("fsdp", None, 1) == 3
+    assert grid.check_zero("fsdp", None, 2) == 1
+    assert grid.check_zero("fsdp", 2, 1) == 2
     with pytest.raises(ValueError, match="^zero must be 1, 2 or 3, got 0$"):
-        layout.check_zero("fsdp", 0, 1)
+        grid.check_zero("fsdp", 0, 1)
     with pytest.raises(ValueError, match="FSDP with pp=2 needs zero=1, got zero=3"):
-        layout.check_zero("fsdp", 3, 2)
+        grid.check_zero("fsdp", 3, 2)
 
 
 def test_check_3d_layout_names_the_number_that_does_not_fit():
-    layout.check_3d_layout(TINY, 2, 2, 2, 8)
-    layout.check_3d_layout(TINY, 3, 1, 1)  # no world given: the sizes alone
+    grid.check_3d_layout(TINY, 2, 2, 2, 8)
+    grid.check_3d_layout(TINY, 3, 1, 1)  # no world given: the sizes alone
     with pytest.raises(ValueError, match=r"dp\*pp\*tp = 2\*2\*2 = 8 but the world has 4 ranks"):
-        layout.check_3d_layout(TINY, 2, 2, 2, 4)
+        grid.check_3d_layout(TINY, 2, 2, 2, 4)
     with pytest.raises(ValueError, match="^tp=3 does not divide n_heads=8$"):
-        layout.check_3d_layout(TINY, 1, 1, 3)
+        grid.check_3d_layout(TINY, 1, 1, 3)
     with pytest.raises(ValueError, match="^tp=4 does not divide ffn_hidden=102$"):
-        layout.check_3d_layout(TINY.with_(ffn_hidden=102), 1, 1, 4)
+        grid.check_3d_layout(TINY.with_(ffn_hidden=102), 1, 1, 4)
     with pytest.raises(ValueError, match="^pp=5 stages but the model has 4 blocks"):
-        layout.check_3d_layout(TINY, 1, 5, 1)
+        grid.check_3d_layout(TINY, 1, 5, 1)
     with pytest.raises(ValueError, match="^dp must be an integer >= 1, got 0$"):
-        layout.check_3d_layout(TINY, 0, 1, 1)
+        grid.check_3d_layout(TINY, 0, 1, 1)
 
 
 # -- pipeline stages -------------------------------------------------------------------------------

@@ -4,12 +4,12 @@ in test_parallel3d.py."""
 import pytest
 import torch
 
-from minitp import comm, layout, mesh
-from minitp.launch import launch
+from minitp import comm, grid, layout, mesh
+from minitp.launcher import launch
 
 
 def test_ranks_are_placed_tp_fastest_then_pp_then_dp():
-    groups = layout.group_lists(dp=2, pp=2, tp=2)
+    groups = grid.group_lists(dp=2, pp=2, tp=2)
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -19,24 +19,24 @@ def test_ranks_are_placed_tp_fastest_then_pp_then_dp():
 def test_coordinates_invert_rank_of_and_every_group_partitions_the_world(dp, pp, tp):
     world = dp * pp * tp
     for rank in range(world):
-        c = layout.coordinates(rank, dp, pp, tp)
-        assert layout.rank_of(c.dp, c.pp, c.tp, pp, tp) == rank
-    for dim, lists in layout.group_lists(dp, pp, tp).items():
+        c = grid.coordinates(rank, dp, pp, tp)
+        assert grid.rank_of(c.dp, c.pp, c.tp, pp, tp) == rank
+    for dim, lists in grid.group_lists(dp, pp, tp).items():
         assert sorted(r for g in lists for r in g) == list(range(world)), dim
         assert len(lists[0]) == {"dp": dp, "pp": pp, "tp": tp}[dim]
 
 
 def test_a_mesh_whose_product_is_not_the_world_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"dp\*pp\*tp = 2\*2\*3 = 12 but the world has 8 ranks"):
-        layout.check_layout(2, 2, 3, 8)
+        grid.check_layout(2, 2, 3, 8)
     with pytest.raises(ValueError, match="tp must be an integer >= 1"):
-        layout.check_layout(8, 1, 0, 8)
+        grid.check_layout(8, 1, 0, 8)
 
 
 def test_tp_groups_straddling_machines_are_refused():
-    layout.check_tp_within_node(2, 4)
+    grid.check_tp_within_node(2, 4)
     with pytest.raises(ValueError, match="tp=4 does not divide the 6 processes per node"):
-        layout.check_tp_within_node(4, 6)
+        grid.check_tp_within_node(4, 6)
 
 
 def _mesh_worker(dp, pp, tp):
@@ -44,7 +44,7 @@ def _mesh_worker(dp, pp, tp):
 
     m = mesh.Mesh(dp, pp, tp)
     out = {"coords": (m.coords.dp, m.coords.pp, m.coords.tp), "ranks": m.group_ranks}
-    for dim in layout.DIMS:  # a sum over each group: every member's rank
+    for dim in layout.AXES:  # a sum over each group: every member's rank
         t = torch.tensor([float(dist.get_rank())])
         comm.all_reduce(t, m.group(dim), label=f"test/{dim}")
         out[dim] = t.item()
@@ -53,10 +53,10 @@ def _mesh_worker(dp, pp, tp):
 
 def test_mesh_builds_every_group_on_every_rank_and_each_group_sums_its_members():
     results = launch(_mesh_worker, 8, 2, 2, 2, echo=False)
-    groups = layout.group_lists(2, 2, 2)
+    groups = grid.group_lists(2, 2, 2)
     for rank, r in enumerate(results):
-        assert r["coords"] == tuple(vars(layout.coordinates(rank, 2, 2, 2)).values())
-        for dim in layout.DIMS:
+        assert r["coords"] == tuple(vars(grid.coordinates(rank, 2, 2, 2)).values())
+        for dim in layout.AXES:
             mine = next(g for g in groups[dim] if rank in g)
             assert r["ranks"][dim] == mine
             assert r[dim] == sum(mine)

@@ -10,14 +10,12 @@ from minitp.models import (
     KVCache,
     ModelConfig,
     RMSNorm,
-    TrainConfig,
     build_model,
     generate,
     get_config,
     rms_norm,
-    synthetic_batches,
-    train_reference,
 )
+from minitp.models.train import TrainConfig, synthetic_batches, train_reference
 
 
 @pytest.mark.parametrize("cfg", [TINY, TINY.with_(n_kv_heads=2), TINY.with_(n_layers=1, ffn_hidden=96)])

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from minitp import cli, cost, runs
-from minitp.launch import launch
-from minitp.models import TrainConfig, get_config, train_reference
+from minitp.launcher import launch
+from minitp.models import get_config
+from minitp.models.train import TrainConfig, train_reference
 
 # -- 3D training against the one-process reference ---------------------------------------------------------
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 4, 1)]  # dp × tp × pp
@@ -71,7 +72,8 @@ def _fsdp_pipeline_on_an_explicit_device(train):
     import torch.distributed as dist
 
     from minitp.mesh import Mesh
-    from minitp.models import build_model, get_config, synthetic_batches
+    from minitp.models import build_model, get_config
+    from minitp.models.train import synthetic_batches
     from minitp.parallel3d import Parallel3D
 
     cfg, device = get_config("tiny"), torch.device("cpu")

@@ -4,6 +4,7 @@ import pytest
 
 from minitp import cli, plan, runs
 from minitp.models import LLAMA3_8B, LLAMA3_70B, get_config
+from minitp.viz.explore import plan_explorer
 
 TINY = get_config("tiny")
 
@@ -78,7 +79,7 @@ def test_the_static_table_and_the_explorer_show_the_same_layouts():
     table = plan.markdown_table(rows)
     assert len(table.splitlines()) == 2 + len(rows)
     assert f"| {rows[0]['dp']} | {rows[0]['pp']} | {rows[0]['tp']} |" in table
-    ui = plan.explorer("llama3-8b", 64, 80)
+    ui = plan_explorer("llama3-8b", 64, 80)
     assert "llama3-8b: 8.03 B parameters" in ui.shown
     assert plan.format_plan(plan.plan(LLAMA3_8B, 64, 80, seq_len=8192, include_unfit=True)).splitlines()[1] in ui.shown
     assert ui.update(model="llama3-70b", activations="sequence parallel")  # the table follows the controls
@@ -88,7 +89,7 @@ def test_the_static_table_and_the_explorer_show_the_same_layouts():
 
 def test_the_planner_explorer_stores_a_static_twin_for_the_website(monkeypatch):
     monkeypatch.delenv("MINITP_LIVE", raising=False)
-    ui = plan.explorer("llama3-70b", 64, 80)
+    ui = plan_explorer("llama3-70b", 64, 80)
     assert [(s["data_parallel"], s["activations"]) for s in ui.grid()] == [
         (dp, a) for dp in ("fsdp", "ddp") for a in plan.ACTIVATIONS]
     twin = ui.build_static()

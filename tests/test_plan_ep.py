@@ -6,7 +6,8 @@ import json
 import pytest
 
 from minitp import cli, cost, plan
-from minitp.models import LLAMA3_8B, MIXTRAL_8X7B, TINY
+from minitp.models import LLAMA3_8B, TINY
+from minitp.models.moe import MIXTRAL_8X7B
 
 M = MIXTRAL_8X7B
 D, L, FE, E, K = 4096, 32, 14336, 8, 2

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from minitp import cli, cost, pp, runs
-from minitp.launch import RankError, launch
-from minitp.models import TrainConfig, build_model, get_config, loss_fn, synthetic_batches, train_reference
+from minitp.launcher import RankError, launch
+from minitp.models import build_model, get_config, loss_fn
+from minitp.models.train import TrainConfig, synthetic_batches, train_reference
 from minitp.pp import Action, gpipe, one_f_one_b, simulate
 
 CFG = get_config("tiny")
@@ -124,7 +125,8 @@ def _configs_worker(train, configs):
     import torch.distributed as dist
 
     from minitp import trace
-    from minitp.models import build_model, get_config, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config
+    from minitp.models.train import make_optimizer, synthetic_batches
     from minitp.pp import Pipeline
 
     cfg, rank, out = get_config("tiny"), dist.get_rank(), []
@@ -191,7 +193,8 @@ def _with_torch_pipelining(train, m):
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    from minitp.models import build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, get_config, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
     from minitp.pp import Pipeline, PipelineStage
 
     cfg, rank, world = get_config("tiny"), dist.get_rank(), dist.get_world_size()
@@ -235,7 +238,8 @@ def test_pipeline_matches_torch_pipelining(stages, m):
 
 
 def _stage_fails_at_microbatch_2():
-    from minitp.models import build_model, get_config, synthetic_batches
+    from minitp.models import build_model, get_config
+    from minitp.models.train import synthetic_batches
     from minitp.pp import Pipeline
 
     cfg = get_config("tiny")
@@ -264,7 +268,8 @@ def _bf16_pipeline(m):
     import torch.distributed as dist
 
     from minitp import trace
-    from minitp.models import build_model, get_config, synthetic_batches
+    from minitp.models import build_model, get_config
+    from minitp.models.train import synthetic_batches
     from minitp.pp import Pipeline
 
     cfg = get_config("tiny")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from minitp import cli, cost, pp, runs
-from minitp.launch import launch
-from minitp.models import TINY, TrainConfig, train_reference
+from minitp.launcher import launch
+from minitp.models import TINY
+from minitp.models.train import TrainConfig, train_reference
 from minitp.pp import Action, interleaved_1f1b, simulate, zero_bubble_h1
 
 CFG = TINY.with_(n_layers=8)  # 8 pieces: 4 stages × 2 chunks
@@ -86,7 +87,8 @@ def _worker(cfg, train, configs, torch_ms):
     from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
     from minitp import trace
-    from minitp.models import build_model, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import build_model, loss_fn
+    from minitp.models.train import make_optimizer, synthetic_batches
     from minitp.pp import Pipeline, PipelineStage
 
     rank, world = dist.get_rank(), dist.get_world_size()

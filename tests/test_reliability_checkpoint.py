@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minitp import checkpoint
-from minitp.launch import RankError, launch
+from minitp.launcher import RankError, launch
 from minitp.models import build_model, get_config
 
 TINY = get_config("tiny")

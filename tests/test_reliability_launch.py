@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import minitp
 from minitp import comm
-from minitp.launch import RANK_MEMORY_BYTES, check_launch
+from minitp.launcher import RANK_MEMORY_BYTES, check_launch
 
 
 def live_children() -> list[psutil.Process]:

@@ -380,7 +380,7 @@ def test_progress_is_off_by_default_and_names_each_ranks_step_when_asked(monkeyp
     import time
 
     import minitp
-    from minitp import progress
+    from minitp.launcher import progress
 
     def work(steps):
         for index in range(steps):

@@ -146,7 +146,7 @@ def test_the_status_line_shows_the_ranks_progress_while_they_run():
     def slow(steps):
         import time
 
-        from minitp import progress
+        from minitp.launcher import progress
 
         for i in range(steps):
             progress.step(i, steps)

@@ -6,7 +6,7 @@ import pytest
 
 from minitp import cost
 from minitp.fsdp import unit_numels
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.models import TINY, build_model
 from minitp.viz import fsdp as viz_fsdp
 
@@ -22,7 +22,8 @@ def _worker():
     from minitp import trace
     from minitp.ddp import DistributedDataParallel, split_batch
     from minitp.fsdp import FullyShardedDataParallel
-    from minitp.models import TINY, TrainConfig, build_model, loss_fn, make_optimizer, synthetic_batches
+    from minitp.models import TINY, build_model, loss_fn
+    from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
 
     rank, train = dist.get_rank(), TrainConfig(steps=1, batch_size=6)
     tokens, targets = synthetic_batches(TINY, train)[0]
@@ -39,7 +40,7 @@ def _worker():
 
     def forward_done(unit):  # a forward hook must return None, or it replaces the block's output
         tr.add(trace.Event(rank, "compute", "forward", tr.label(f"fsdp/{unit}/compute.forward"), starts[unit],
-                           time.perf_counter()))
+                           time.perf_counter(), unit=unit, phase="forward"))
 
     for unit, block in zip(fsdp.units[1:], model.layers):
         block.register_forward_pre_hook(lambda m, a, u=unit.name: starts.__setitem__(u, time.perf_counter()))

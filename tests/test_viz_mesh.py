@@ -5,7 +5,8 @@ import torch
 
 import minitp
 from minitp import cost, trace
-from minitp.models import TINY, TrainConfig, build_model, synthetic_batches
+from minitp.models import TINY, build_model
+from minitp.models.train import TrainConfig, synthetic_batches
 from minitp.viz import mesh as viz_mesh
 
 

@@ -4,7 +4,7 @@ action at the time it was recorded, pieces where the stages held them."""
 import pytest
 
 from minitp import cost, pp
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.viz import pipeline as viz_pp
 
 STAGES, M = 3, 4
@@ -13,7 +13,8 @@ STAGES, M = 3, 4
 def _pipeline_run():
     import torch.distributed as dist
 
-    from minitp.models import TINY, TrainConfig, build_model, synthetic_batches
+    from minitp.models import TINY, build_model
+    from minitp.models.train import TrainConfig, synthetic_batches
 
     cfg = TINY.with_(n_layers=5)  # 2, 2, 1 blocks: the spare ones to the first stages
     tokens, targets = synthetic_batches(cfg, TrainConfig(steps=1, batch_size=8))[0]

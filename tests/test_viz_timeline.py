@@ -5,7 +5,7 @@ import matplotlib
 import pytest
 
 from minitp import cost, runs
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.models import TINY
 from minitp.viz.timeline import format_bytes, loss_curve, memory_bars, timeline
 
@@ -17,7 +17,8 @@ BLOCKS = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "nor
 def _worker():
     from minitp import profile, trace
     from minitp.ddp import DistributedDataParallel, split_batch
-    from minitp.models import TINY, TrainConfig, build_model, loss_fn, synthetic_batches
+    from minitp.models import TINY, build_model, loss_fn
+    from minitp.models.train import TrainConfig, synthetic_batches
 
     model = build_model(TINY, seed=0)
     recorder = profile.record_compute(model)

@@ -1,7 +1,24 @@
-"""minitp: data, fully sharded, tensor and pipeline parallelism from scratch on torch.distributed."""
+"""minitp: data, fully sharded, tensor, pipeline, context and expert parallelism from scratch on
+torch.distributed.
 
-from minitp import comm, cost, trace
-from minitp.launch import LaunchError, LaunchTimeout, RankError, Results, device, launch
+``import minitp.ddp`` (or any strategy) loads only what that strategy reads: the traced road
+(``comm``, ``regions``, ``trace``), ``layout``, ``mesh`` and ``models``. The conveniences below
+(``minitp.launch(fn, n)``, ``minitp.cost``, ...) are loaded the first time they are used.
+"""
 
-__all__ = ["comm", "cost", "trace", "launch", "device", "Results", "LaunchError", "RankError", "LaunchTimeout"]
+import importlib
+
 __version__ = "0.1.0"
+_MODULES = ("comm", "cost", "trace")
+_LAUNCHER = ("launch", "device", "Results", "LaunchError", "RankError", "LaunchTimeout")
+__all__ = [*_MODULES, *_LAUNCHER]
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"minitp.{name}")
+    if name in _LAUNCHER:
+        value = getattr(importlib.import_module("minitp.launcher"), name)
+        globals()[name] = value  # once: later lookups find it here
+        return value
+    raise AttributeError(f"module 'minitp' has no attribute {name!r}")

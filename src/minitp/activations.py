@@ -6,7 +6,7 @@ each one as it is saved: ``torch.autograd.graph.saved_tensors_hooks(pack, unpack
 on every saved tensor. We count each distinct storage once (a tensor saved by two ops, or a view of
 one already saved, costs nothing more), and leave out parameters and buffers (held anyway).
 
-``recomputed(block)`` is full activation recomputation written out: forward runs the block without
+``run_recomputed`` is full activation recomputation written out: forward runs the block without
 keeping anything but its input; backward runs the block's forward again, then its backward. So what
 the hooks see is the input alone, and under tensor parallel the re-run forward sends its collectives
 again (6 per block instead of 4: ``minitp.cost.tp_block_bytes(recompute=True)``).
@@ -83,16 +83,10 @@ class _Recompute(torch.autograd.Function):
         return x.grad, None, None
 
 
-def recomputed(block: nn.Module) -> nn.Module:
-    """Put ``block`` under full activation recomputation, in place (its parameters keep their names:
-    only its forward is replaced). Returns the block."""
-    forward = block.forward
-
-    def run(x, *args):
-        return _Recompute.apply(x, forward, args)
-
-    block.forward = run
-    return block
+def run_recomputed(forward, x, *args):
+    """Run a block's ``forward`` under full activation recomputation: what ``TransformerBlock``
+    takes as ``recompute=`` (``model(tokens, recompute=run_recomputed)``)."""
+    return _Recompute.apply(x, forward, args)
 
 
 def _measure_worker(model_name: str, batch: int, seq: int, sequence_parallel: bool, recompute: bool,
@@ -107,11 +101,8 @@ def _measure_worker(model_name: str, batch: int, seq: int, sequence_parallel: bo
     model = build_model(cfg, seed=seed)
     if dist.get_world_size() > 1 or sequence_parallel:
         tensor_parallel.parallelize(model, dist.group.WORLD, sequence_parallel)
-    if recompute:
-        for block in model.layers:
-            recomputed(block)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    per_block = saved_bytes_per_block(model, lambda: model(tokens))
+    per_block = saved_bytes_per_block(model, lambda: model(tokens, recompute=run_recomputed if recompute else None))
     return {"rank": dist.get_rank(), "per_block": per_block}
 
 
@@ -119,7 +110,7 @@ def measure(tp: int = 2, sequence_parallel: bool = False, recompute: bool = Fals
             batch: int = 2, seq: int = 16, seed: int = 0, timeout: float = 120.0) -> list[list[int]]:
     """Launch ``tp`` ranks of tensor parallel, run one forward, and return per rank the bytes each
     block saved for backward (``[[block 0, block 1, ...], ...]``), measured by saved-tensor hooks."""
-    from minitp.launch import launch
+    from minitp.launcher import launch
 
     results = launch(_measure_worker, tp, model, batch, seq, sequence_parallel, recompute, seed,
                      timeout=timeout, echo=False)

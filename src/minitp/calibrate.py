@@ -1,8 +1,9 @@
 """Measure this machine for the time model: one rank's matmul rate, and gloo's α and β.
 
-``minitp calibrate`` runs this and stores the figures (``minitp.cost.calibration_path()``:
-$MINITP_CALIBRATION, else ~/.cache/minitp/calibration.json); every ``minitp run`` then reports its
-``predicted_step_s`` from them (``minitp.cost.this_machine()``).
+``minitp calibrate`` runs this and stores the figures (``calibration_path()``: $MINITP_CALIBRATION,
+else ~/.cache/minitp/calibration.json); every ``minitp run`` then reports its ``predicted_step_s``
+from them (``this_machine()``). The time model itself (``minitp.cost``) reads no file: the figures
+are read and checked here, and handed to it as a ``Device``.
 
 * FLOP/s: a matrix multiply timed on one thread (each rank of a run uses one), at the shapes the
   tiny model runs, (B·S, D) @ (D, F) with B·S = 128, D = 64, F = 128: small matmuls reach a small
@@ -20,18 +21,23 @@ $MINITP_CALIBRATION, else ~/.cache/minitp/calibration.json); every ``minitp run`
   gloo's threads and waiting for the other rank to arrive. On 2 shared cores the mean is several
   times the fastest; the fit to the fastest calls is stored beside it (``alpha_min_s``,
   ``bytes_per_s_min``) for comparison.
+
+Reading a stored calibration never raises: a file that is not one, or a figure the time model cannot
+use (a rate of 0, a negative α, NaN, ``"cores": "two"``), reads as no calibration, with a note that
+says why (``read_calibration``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
 
 import torch
 
-from minitp.cost.time import calibration_path
+from minitp.cost import Device, device_from_calibration
 
 SIZES = (4, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes of the all-reduced buffer
 TINY_SHAPE = (128, 64, 128)  # (M, K, N): tokens, D, F of the tiny model at batch 8, seq 16
@@ -61,8 +67,9 @@ def step_overhead_s(flops_per_s: float, batch: int = 8, seq: int = 16, repeats: 
     """Seconds one training step of the tiny model takes on one thread beyond its FLOPs at
     ``flops_per_s``: the fastest of ``repeats`` steps (the first two warm up), less its FLOPs
     (6Ψ + attention per token) at that rate."""
-    from minitp.cost.time import training_flops_per_token
-    from minitp.models import TINY, build_model, loss_fn, make_optimizer
+    from minitp.cost import training_flops_per_token
+    from minitp.models import TINY, build_model, loss_fn
+    from minitp.models.train import make_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -118,8 +125,8 @@ def fit_alpha_beta(times: dict[int, float], n: int = 2) -> tuple[float, float]:
 
 
 def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
-    """Measure this machine (a few seconds): the figures ``minitp.cost.device_from_calibration`` reads."""
-    from minitp.launch import launch
+    """Measure this machine (a few seconds): the figures ``minitp.cost.device_from_calibration`` takes."""
+    from minitp.launcher import launch
 
     flops = matmul_flops_per_s(*TINY_SHAPE)
     large = matmul_flops_per_s(512, 512, 512, repeats=5)
@@ -144,7 +151,7 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
 
 
 def save(cal: dict, path: str | None = None) -> str:
-    """Write a calibration (JSON) where ``minitp.cost.load_calibration`` reads it; returns the path."""
+    """Write a calibration (JSON) where ``load_calibration`` reads it; returns the path."""
     path = path or calibration_path()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -153,6 +160,111 @@ def save(cal: dict, path: str | None = None) -> str:
         f.write("\n")
     os.replace(tmp, path)  # whole or absent
     return path
+
+
+# -- reading it back: where it is stored, and whether the time model can use it ----------------------
+CALIBRATION_ENV = "MINITP_CALIBRATION"  # where to store and read the figures (a test points it elsewhere)
+MAX_FILE_BYTES = 2**20  # a calibration is about a kilobyte; a larger file is not one
+
+# the figures the time model uses (``device_from_calibration``) and ``minitp calibrate`` stores beside
+# them: (name, required, what a value must be)
+FIGURES = (
+    ("flops_per_s", True, "> 0"), ("bytes_per_s", True, "> 0"), ("alpha_s", True, ">= 0"),
+    ("step_overhead_s", False, ">= 0"), ("memory_bytes", False, ">= 0"),
+    ("flops_per_s_large", False, "> 0"), ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
+)
+MAY_BE_NULL = ("flops_per_s_large", "bytes_per_s_min", "alpha_min_s")  # a noisy fastest fit stores null
+
+
+def calibration_path() -> str:
+    """Where ``minitp calibrate`` stores this machine's figures: $MINITP_CALIBRATION, else
+    ~/.cache/minitp/calibration.json."""
+    return os.environ.get(CALIBRATION_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "minitp",
+                                                           "calibration.json")
+
+
+def _shown(value) -> str:
+    """A JSON value as the file writes it, short: a list or an object by its kind only."""
+    if isinstance(value, (list, dict)):
+        return "a list" if isinstance(value, list) else "an object"
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # not a JSON value, or an int of more digits than Python prints
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_number(value) -> bool:
+    """A finite int or float (not a bool, not an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def check_calibration(cal) -> str | None:
+    """Why ``cal`` cannot time a step ("ignored: FIELD is VALUE, expected ..."), or None when it can:
+    finite positive rates, a finite non-negative α and overhead, a whole number of cores (not a bool)."""
+    if not isinstance(cal, dict):
+        return f"ignored: the calibration is {_shown(cal)}, expected a JSON object of figures"
+    for name, required, low in FIGURES:
+        if name not in cal:
+            if required:
+                return f"ignored: {name} is missing"
+            continue
+        value = cal[name]
+        if value is None and name in MAY_BE_NULL:
+            continue
+        if not _is_number(value) or (value <= 0 if low == "> 0" else value < 0):
+            return f"ignored: {name} is {_shown(value)}, expected a finite number {low}"
+    cores = cal.get("cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        return f"ignored: cores is {_shown(cores)}, expected a whole number >= 1"
+    if not isinstance(cal.get("name", ""), str):
+        return f"ignored: name is {_shown(cal['name'])}, expected text"
+    return None
+
+
+def read_calibration(path: str | None = None) -> tuple[dict | None, str | None]:
+    """(figures, None) from the stored calibration; (None, None) when none is stored; (None, why) when
+    the file is not a calibration the time model can use: never an exception."""
+    path = path or calibration_path()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"ignored: {path} is not a calibration file ({e.strerror or type(e).__name__})"
+    if len(data) > MAX_FILE_BYTES:
+        return None, f"ignored: {path} is not a calibration file (larger than {MAX_FILE_BYTES} bytes)"
+    try:
+        cal = json.loads(data)
+    except RecursionError:
+        return None, f"ignored: {path} is not a calibration file (nested too deeply)"
+    except UnicodeDecodeError:
+        return None, f"ignored: {path} is not a calibration file (not text)"
+    except ValueError as e:
+        return None, f"ignored: {path} is not a calibration file (not JSON: {str(e)[:80]})"
+    if not isinstance(cal, dict):
+        return None, f"ignored: {path} is not a calibration file ({_shown(cal)}, not a JSON object)"
+    why = check_calibration(cal)
+    return (None, why) if why else (cal, None)
+
+
+def load_calibration(path: str | None = None) -> dict | None:
+    """The stored calibration, or None when there is none (or it cannot be used: ``read_calibration``
+    says why)."""
+    return read_calibration(path)[0]
+
+
+def this_machine(path: str | None = None) -> Device | None:
+    """This machine as a Device, from ``minitp calibrate``'s stored figures (None if never calibrated,
+    or if what is stored cannot be used)."""
+    cal = load_calibration(path)
+    return device_from_calibration(cal) if cal else None
 
 
 def format_calibration(cal: dict) -> str:

@@ -142,7 +142,7 @@ def _local_pieces(par) -> list[LocalPiece]:
     (tp-split None) parameter past the first tp rank. Under expert parallel the first ep group's
     ranks hold every expert between them: each writes its own, the first also the rest. (Under
     context parallel the dp·cp ranks of a tp slice hold the same tensors: the first writes.)"""
-    ep = getattr(par, "ep", 1)
+    ep = par.mesh.ep
     if par.fsdp is not None:
         pieces = par.fsdp.local_pieces(par.optimizer)
     elif par.mesh.coords.dp == 0:

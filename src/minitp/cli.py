@@ -26,7 +26,7 @@ import os
 import sys
 
 from minitp import runs  # noqa: F401  (registers every strategy)
-from minitp.launch import LaunchError
+from minitp.launcher import LaunchError
 from minitp.registry import STRATEGIES, Option, OptionError, Strategy
 
 
@@ -74,7 +74,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from minitp import plan
-    from minitp.models import MOE_PRESETS, get_config
+    from minitp.models import get_config
+    from minitp.models.moe import MOE_PRESETS
 
     for flag, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory)):
         if value is None:

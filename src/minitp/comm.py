@@ -1,17 +1,16 @@
 """Every message minitp sends, traced.
 
 Thin wrappers over ``torch.distributed``: each call does the collective and appends an ``Event``
-(op, group ranks, shape, dtype, bytes, start/end time, label) to the trace recording on this
-process (``minitp.trace``). Tracing is not bolted on: it is how the library sends messages, so a
-strategy that sends something unexpected shows up in its byte count.
+(op, group, bytes, times, label, ...) to the trace recording on this process (``minitp.trace``).
+Tracing is how the library sends messages: a strategy that sends something unexpected shows up.
 
 Ranks given to these functions (``src``, ``dst``) are global ranks, as in ``torch.distributed``.
 ``group=None`` means the whole world. Each event also records the mesh dimension its group was
 named with (``name_group``): byte tables and figures split the traffic by it, never by label.
 
-The second half holds the autograd-aware operators of tensor parallelism (Megatron-LM's f and g):
-a message in forward paired with its transpose in backward, so gradients come out right without
-hooks.
+Messages whose backward is a message (Megatron's f and g, the sequence-parallel pair, the
+autograd all-to-all) are built on these in ``minitp.regions``. The payload model (``sent_bytes``)
+is ``minitp.trace.collective_sent_bytes``.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from minitp import cost
 from minitp import trace as _trace
 
 ReduceOp = dist.ReduceOp
@@ -55,17 +53,11 @@ def name_group(group: dist.ProcessGroup | None, dim: str, *, unless_named: bool 
     """Say which mesh dimension ("dp", "fsdp", "tp", "pp", ...) ``group`` (the world when None)
     carries: every message sent through it is recorded with ``Event.dim == dim``.
 
-    ``Mesh`` names each group it creates; each strategy wrapper names the group it is given with
-    ``unless_named=True``, so a mesh's "dp" group stays "dp" when FSDP runs on it, and a group
-    handed to DDP alone becomes "dp". The rule:
-
-    * a group other than the world is named once: the same name again does nothing; another name
-      is a ``ValueError`` naming both, or with ``unless_named`` leaves the first name in place;
-    * the world takes the latest name: one process may run several strategies on the whole world
-      in turn (DDP, then FSDP), and each names it for its own messages.
-
-    A name lives as long as its group object: a group made after another is destroyed starts
-    unnamed. Calling it on a rank outside ``group`` (``new_group``'s marker) does nothing.
+    ``Mesh`` names each group it creates; a strategy names the group it is given with
+    ``unless_named=True`` (a mesh's "dp" group stays "dp" under FSDP). A group other than the world
+    is named once (another name: a ``ValueError``, or with ``unless_named`` the first name stays);
+    the world takes the latest name (DDP, then FSDP, may run on it in turn). A name lives as long
+    as its group object; on a rank outside ``group`` (``new_group``'s marker) nothing happens.
     """
     key = _resolve(group)
     if key is None:
@@ -127,7 +119,7 @@ def _record(op: str, tensor: torch.Tensor, nbytes: int, group, label: str, start
         rank=dist.get_rank(), kind="comm", op=op, label=tr.label(label), start=start, end=start,
         group=ranks, dim=group_dim(group), peer=peer, shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).replace("torch.", ""), bytes=nbytes,
-        sent_bytes=cost.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes),
+        sent_bytes=_trace.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes),
     )
     return tr.add(event)
 
@@ -248,148 +240,8 @@ def barrier(group=None) -> None:
     dist.barrier(group=group)
 
 
-# -- autograd-aware operators of tensor parallelism -------------------------------------------------
-def _split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n, r = group_size(group), group_rank(group)
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    return x.chunk(n, dim=dim)[r].contiguous()
-
-
-def _gather_along(x: torch.Tensor, dim: int, group, label: str) -> torch.Tensor:
-    n = group_size(group)
-    x = x.contiguous()
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    all_gather(out.view(-1), x.view(-1), group=group, label=label)
-    return torch.cat(out.unbind(0), dim=dim)
-
-
-class _CopyToParallel(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, label):
-        ctx.group, ctx.label = group, label
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        all_reduce(grad, group=ctx.group, label=ctx.label + "/f.backward")
-        return grad, None, None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, label):
-        x = x.contiguous().clone()
-        all_reduce(x, group=group, label=label + "/g.forward")
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromParallel(torch.autograd.Function):
-    """All-gather along ``dim`` forward, keep this rank's slice backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, label):
-        ctx.group, ctx.dim = group, dim
-        return _gather_along(x, dim, group, label + "/gather.forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_along(grad, ctx.dim, ctx.group), None, None, None
-
-
-class _SplitToParallel(torch.autograd.Function):
-    """Keep this rank's slice along ``dim`` forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, label):
-        ctx.group, ctx.dim, ctx.label = group, dim, label
-        return _split_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along(grad, ctx.dim, ctx.group, ctx.label + "/split.backward"), None, None, None
-
-
-def copy_to_parallel(x: torch.Tensor, group=None, label: str = "tp") -> torch.Tensor:
-    """Megatron's f: enters a parallel region. Forward: identity. Backward: all-reduce."""
-    return _CopyToParallel.apply(x, group, label)
-
-
-def reduce_from_parallel(x: torch.Tensor, group=None, label: str = "tp") -> torch.Tensor:
-    """Megatron's g: leaves a parallel region by summing partial results. Backward: identity."""
-    return _ReduceFromParallel.apply(x, group, label)
-
-
-def gather_from_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str = "tp") -> torch.Tensor:
-    """All-gather shards along ``dim`` (forward); backward keeps this rank's slice of the gradient."""
-    return _GatherFromParallel.apply(x, group, dim, label)
-
-
-def split_to_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str = "tp") -> torch.Tensor:
-    """Keep this rank's slice along ``dim`` (forward); backward all-gathers the gradient."""
-    return _SplitToParallel.apply(x, group, dim, label)
-
-
-# Sequence parallel: between tensor-parallel regions the activations are split along the sequence
-# instead of copied, so g's all-reduce becomes a reduce-scatter and f's identity an all-gather.
-def _reduce_scatter_along(x: torch.Tensor, dim: int, group, label: str) -> torch.Tensor:
-    n = group_size(group)
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    chunks = torch.stack(x.chunk(n, dim=dim))  # (n, *chunk): rank i keeps the sum of row i
-    out = torch.empty_like(chunks[0])
-    reduce_scatter(out.view(-1), chunks.view(-1), group=group, label=label)
-    return out
-
-
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    """All-gather along ``dim`` forward, reduce-scatter of the gradient backward.
-
-    Backward is a reduce-scatter, not a split: every rank feeds the gathered tensor to its own slice
-    of a column-parallel layer, so each holds a partial gradient for every position, and the
-    gradient of this rank's positions is the sum of those partials.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, dim, label):
-        ctx.group, ctx.dim, ctx.label = group, dim, label
-        return _gather_along(x, dim, group, label + "/sequence_gather.forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_along(grad.contiguous(), ctx.dim, ctx.group,
-                                     ctx.label + "/sequence_gather.backward"), None, None, None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """Reduce-scatter along ``dim`` forward (sum the partial results, keep this rank's positions),
-    all-gather of the gradient backward (every position's gradient reaches every partial)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, label):
-        ctx.group, ctx.dim, ctx.label = group, dim, label
-        return _reduce_scatter_along(x.contiguous(), dim, group, label + "/sequence_scatter.forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_along(grad, ctx.dim, ctx.group, ctx.label + "/sequence_scatter.backward"), None, None, None
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1, label: str = "tp") -> torch.Tensor:
-    """Sequence parallel's f: all-gather the positions along ``dim``; backward reduce-scatters."""
-    return _GatherFromSequenceParallel.apply(x, group, dim, label)
-
-
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1, label: str = "tp") -> torch.Tensor:
-    """Sequence parallel's g: sum partial results and keep this rank's positions along ``dim``;
-    backward all-gathers the gradient."""
-    return _ReduceScatterToSequenceParallel.apply(x, group, dim, label)
+def device() -> torch.device:
+    """The device this rank computes and sends from: ``cuda:<current>`` under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -26,11 +26,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from minitp import comm, layout
 from minitp import trace as _trace
+from minitp.models.llama import causal_attention
+from minitp.regions import all_to_all_rows
+from minitp.replicas import GradientSync, all_reduce_mean
 
 
 # -- the layout: this rank's positions -------------------------------------------------------------
@@ -171,11 +173,14 @@ def block_attention_backward(q, k, v, lse, grad_out, delta, q_chunks, k_chunks, 
 
 
 # -- the ring ----------------------------------------------------------------------------------------
-def _exchange(buffer: torch.Tensor, group, label: str) -> tuple[torch.Tensor, list[comm.Handle]]:
-    """Post the send of ``buffer`` to the next rank and the receive of the previous rank's."""
+def _exchange(buffer: torch.Tensor, group, label: str, phase: str,
+              step: int) -> tuple[torch.Tensor, list[comm.Handle]]:
+    """Post the send of ``buffer`` to the next rank and the receive of the previous rank's (their
+    events carry the phase and the ring step: ``Event.phase``, ``Event.ring_step``)."""
     nxt, prev = ring_peers(group)
     incoming = torch.empty_like(buffer)
-    return incoming, [comm.isend(buffer, nxt, group, label=label), comm.irecv(incoming, prev, group, label=label)]
+    with _trace.tagged(phase=phase, ring_step=step):
+        return incoming, [comm.isend(buffer, nxt, group, label=label), comm.irecv(incoming, prev, group, label=label)]
 
 
 def _wait(handles: list[comm.Handle]) -> None:
@@ -198,8 +203,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             source = (rank - step) % n  # whose keys this rank holds at this step
             if step < n - 1:  # send this block on while computing with it
-                incoming, handles = _exchange(kv, group, f"{label}/forward/step{step}")
-            with _trace.span("attention", f"{label}/forward/step{step}"):
+                incoming, handles = _exchange(kv, group, f"{label}/forward/step{step}", "forward", step)
+            with _trace.tagged(phase="forward", ring_step=step), \
+                    _trace.span("attention", f"{label}/forward/step{step}"):
                 m, row_sum, acc = block_attention_forward(q, _expand(kv[0], groups), _expand(kv[1], groups),
                                                     chunks[rank], chunks[source], causal, (m, row_sum, acc))
             if step < n - 1:
@@ -226,8 +232,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             source = (rank - step) % n
             if step < n - 1:
-                incoming, handles = _exchange(kv, group, f"{label}/backward/step{step}")
-            with _trace.span("attention", f"{label}/backward/step{step}"):
+                incoming, handles = _exchange(kv, group, f"{label}/backward/step{step}", "backward", step)
+            with _trace.tagged(phase="backward", ring_step=step), \
+                    _trace.span("attention", f"{label}/backward/step{step}"):
                 dq_s, dk_s, dv_s = block_attention_backward(
                     q, _expand(kv[0], groups), _expand(kv[1], groups), lse, grad_out, delta,
                     chunks[rank], chunks[source], causal)
@@ -236,7 +243,8 @@ class RingAttention(torch.autograd.Function):
             if n == 1:
                 break
             # pass the block's gradients on with it; the last hop brings each rank's own home
-            dkv_in, dkv_handles = _exchange(dkv.contiguous(), group, f"{label}/backward/grad{step}")
+            dkv_in, dkv_handles = _exchange(dkv.contiguous(), group, f"{label}/backward/grad{step}", "backward",
+                                            step)
             if step < n - 1:
                 _wait(handles)
                 kv = incoming
@@ -263,8 +271,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 def _heads_to_sequence(x: torch.Tensor, group, inverse: torch.Tensor, label: str) -> torch.Tensor:
     """(B, Hx, Sl, Dh), every head at this rank's positions -> (B, Hx/n, S, Dh), this rank's n-th of
     the heads at every position, in sequence order: chunk j of the heads goes to rank j."""
-    from minitp.ep import all_to_all_rows
-
     n = comm.group_size(group)
     B, Hx, Sl, Dh = x.shape
     chunks = x.reshape(B, n, Hx // n, Sl, Dh).transpose(0, 1)  # (n, B, Hx/n, Sl, Dh): chunk j for rank j
@@ -275,8 +281,6 @@ def _heads_to_sequence(x: torch.Tensor, group, inverse: torch.Tensor, label: str
 
 def _sequence_to_heads(x: torch.Tensor, group, order: torch.Tensor, label: str) -> torch.Tensor:
     """The inverse: (B, H/n, S, Dh) in sequence order -> (B, H, Sl, Dh) at this rank's positions."""
-    from minitp.ep import all_to_all_rows
-
     n = comm.group_size(group)
     B, Hn, S, Dh = x.shape
     by_rank = x.index_select(2, order).reshape(B, Hn, n, S // n, Dh).permute(2, 0, 1, 3, 4)  # (n, B, H/n, Sl, Dh)
@@ -318,9 +322,9 @@ class UlyssesAttend:
 
 # -- the model under context parallel (from outside, the torchtitan way) -----------------------------
 class RingAttend:
-    """What ``parallelize`` puts in place of a layer's ``attend`` (``minitp.models.llama.Attention``):
-    the ring over the cp group. The layer's projections, RoPE and output run as they are, on this
-    rank's positions, so a tensor-parallel layer (its heads split over tp) takes it just the same."""
+    """The ring over the cp group, as a layer's attention (``Attention.forward(attend=)``): the
+    layer's projections, RoPE and output run as they are, on this rank's positions, so a
+    tensor-parallel layer (its heads split over tp) takes it just the same."""
 
     def __init__(self, group=None, balanced: bool = True):
         self.group, self.balanced = group, balanced
@@ -333,85 +337,72 @@ class RingAttend:
         return ring_attention(q, k, v, self.group, causal=True, balanced=self.balanced, label="cp/ring")
 
 
-class ContextParallel(nn.Module):
-    """A plain ``Transformer`` whose attentions run as a ring: takes this rank's tokens (B, Sl) and
-    returns their logits (B, Sl, V). Everything else is the plain model's own modules."""
+ATTENTIONS = ("ring", "ulysses")
 
-    def __init__(self, model: nn.Module, group=None, balanced: bool = True):
-        super().__init__()
-        self.model, self.group, self.balanced = model, group, balanced
+
+class Context:
+    """What a model needs to run under context parallel, besides its weights: the attention every
+    block runs (the ring, or Ulysses' all-to-alls) and the positions this rank holds. Both go to the
+    plain model as arguments, ``model(tokens, **context.inputs(tokens))``: nothing in it is replaced.
+    A pipeline stage takes the same object (``minitp.pp.PipelineStage(context=)``)."""
+
+    def __init__(self, group=None, balanced: bool = True, attention: str = "ring"):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        comm.name_group(group, "cp", unless_named=True)
+        self.group, self.size, self.balanced = group, comm.group_size(group), balanced
+        on = balanced and self.size > 1
+        self.attend = RingAttend(group, on) if attention == "ring" else UlyssesAttend(causal_attention, group, on)
 
     def positions(self, local_len: int) -> torch.Tensor:
         return local_positions(local_len, self.group, self.balanced)
 
+    def inputs(self, tokens: torch.Tensor) -> dict:
+        """The model's arguments for this rank's (B, Sl) tokens: RoPE at their true positions, the attention."""
+        return {"positions": self.positions(tokens.shape[1]).to(tokens.device), "attend": self.attend}
+
+
+class ContextParallel(GradientSync, nn.Module):
+    """A plain ``Transformer`` under context parallel: takes this rank's tokens (B, Sl) and returns
+    their logits (B, Sl, V). After backward it averages the gradients over the cp group (the
+    data-parallel protocol, ``minitp.replicas``): each rank's loss is the mean over its Sl positions,
+    so the mean of the ranks' gradients is the gradient of the mean over all S; the ring's backward
+    already brought back the keys' and values' share of other ranks' losses."""
+
+    def __init__(self, model: nn.Module, group=None, balanced: bool = True, attention: str = "ring"):
+        super().__init__()
+        self.model, self.context = model, Context(group, balanced, attention)
+        self.group, self.balanced = group, balanced
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: self.queue_finish())
+
+    def positions(self, local_len: int) -> torch.Tensor:
+        return self.context.positions(local_len)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        model = self.model
-        pos = self.positions(tokens.shape[1]).to(tokens.device)  # RoPE at the true positions
-        h = model.tok_embeddings(tokens)  # (B, Sl, D)
-        h = model.run_blocks(h, seq_len=tokens.shape[1] * comm.group_size(self.group), positions=pos)
-        return model.output(model.norm(h))  # (B, Sl, V)
+        return self.model(tokens, **self.context.inputs(tokens))  # (B, Sl, V)
 
-
-ATTENTIONS = ("ring", "ulysses")
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        all_reduce_mean(grads, self.group, self.context.size, "cp/grads", divide_first=False)
 
 
 def parallelize(model: nn.Module, group=None, balanced: bool = True, attention: str = "ring") -> ContextParallel:
-    """Turn a ``Transformer`` (plain, or already tensor parallel) into its context-parallel form, in
-    place: each attention's ``attend`` becomes the ring (or, ``attention="ulysses"``, the
-    all-to-all of ``UlyssesAttend``); parameters and their names are unchanged. Feed the result
+    """A ``Transformer`` (plain, or already tensor parallel) in its context-parallel form: every
+    attention runs the ring (or, ``attention="ulysses"``, the all-to-alls of ``UlyssesAttend``), at
+    this rank's positions; parameters and their names are the model's. Feed it
     ``shard_sequence(tokens, group, balanced)``."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-    comm.name_group(group, "cp", unless_named=True)
-    n = comm.group_size(group)
-    for block in model.layers:  # this layer only: an instance attribute
-        if attention == "ring":
-            block.attention.attend = RingAttend(group, balanced and n > 1)
-        else:
-            block.attention.attend = UlyssesAttend(block.attention.attend, group, balanced and n > 1)
-    return ContextParallel(model, group, balanced)
+    return ContextParallel(model, group, balanced, attention)
 
 
-# -- on a 3D mesh (minitp.parallel3d): cp splits the mesh's dp dimension -----------------------------
-def mesh_cp_group(mesh, cp: int):
-    """This rank's cp group on a ``Mesh`` whose dp dimension holds dp·cp ranks: dp coordinate
-    d = replica·cp + cp rank, so each run of cp consecutive ranks of a dp group is one cp group.
-    The dp group itself (every replica and every cp rank) then averages the gradients: each rank's
-    loss is the mean over (B/dp)·(S/cp) tokens, equal counts. Every rank creates every group, in one
-    order (torch.distributed's rule)."""
-    layout.check_divisible("the mesh's dp", mesh.dp, "cp", cp, ": it holds dp·cp ranks")
-    mine = None
-    for ranks in layout.group_lists(mesh.dp, mesh.pp, mesh.tp)["dp"]:
-        for i in range(0, len(ranks), cp):
-            group = dist.new_group(ranks[i:i + cp])
-            if mesh.rank in ranks[i:i + cp]:
-                comm.name_group(group, "cp")
-                mine = group
-    return mine
-
-
-def replica_share(batch: torch.Tensor, mesh, cp: int, group, balanced: bool = True) -> torch.Tensor:
-    """This rank's part of a global batch on a dp·cp mesh dimension: its replica's rows, then its
-    positions. (B, S) -> (B/dp, S/cp)."""
-    replicas, replica = mesh.dp // cp, mesh.coords.dp // cp
+def replica_share(batch: torch.Tensor, mesh, balanced: bool = True) -> torch.Tensor:
+    """This rank's part of a global batch on a mesh whose dp axis holds dp·cp ranks: its replica's
+    rows, then its positions. (B, S) -> (B/dp, S/cp)."""
+    replicas, replica = mesh.dp // mesh.cp, mesh.coords.dp // mesh.cp
     layout.check_batch(batch.shape[0], replicas)
     rows = batch.shape[0] // replicas
-    return shard_sequence(batch[replica * rows:(replica + 1) * rows], group, balanced)
-
-
-def all_reduce_gradients(params, group=None, label: str = "cp/grads") -> None:
-    """Average the gradients over the cp group in one flat all-reduce. Each rank's loss is the mean
-    over its Sl positions, so the mean of the ranks' gradients is the gradient of the mean over all
-    S; the ring's backward already brought back the keys' and values' share of other ranks' losses."""
-    params = [p for p in params if p.grad is not None]
-    n = comm.group_size(group)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    comm.all_reduce(flat, group=group, label=label)
-    flat /= n
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    return shard_sequence(batch[replica * rows:(replica + 1) * rows], mesh.cp_group, balanced)
 
 
 # -- measured, for the memory wall -----------------------------------------------------------------

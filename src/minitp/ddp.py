@@ -20,7 +20,8 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
   and the launch copies nothing; if it sets them to None, autograd hands a fresh gradient that is
   copied into the bucket once, and ``param.grad`` becomes the view again.
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
-  accumulation); the first backward outside it all-reduces the accumulated sum.
+  accumulation); the first backward outside it all-reduces the accumulated sum, or
+  ``finish_gradients()`` does it at once (the data-parallel protocol, ``minitp.replicas``).
 * A parameter that **no rank used** (a branch the forward skipped) keeps ``grad`` None, as on one
   process, so the optimizer skips it: weight decay does not move it, its step count stays. The ranks
   agree on it inside the bucket's own all-reduce, with no extra byte: a rank that did not use a
@@ -35,7 +36,6 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +43,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minitp import comm
-from minitp.launch import device
+from minitp import trace as _trace
 from minitp.layout import bucket_ranges
+from minitp.replicas import GradientSync, used_by_no_rank
 
 
 @dataclass
@@ -70,7 +71,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
     return [params[r.start:r.stop] for r in ranges]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(GradientSync, nn.Module):
     """Wrap a model so that backward leaves every rank with the gradient averaged over ``group``.
 
     module: the plain model, built the same way on every rank (its parameters are broadcast from
@@ -102,36 +103,19 @@ class DistributedDataParallel(nn.Module):
             self.buckets.append(Bucket(i, group_params, buffer, offsets))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next_bucket = 0  # the next bucket to launch, so they go out in order
-        self._callback_queued = False
-        self._sync = True
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally and send nothing."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    @torch.no_grad()
-    def all_reduce_gradients(self) -> None:
-        """Average the gradients now, every bucket at once: after backward passes run under
-        ``no_sync`` (a pipeline's micro-batches each run their own backward), the accumulated
-        sum is sent once per step, as the end of a synchronised backward would send it."""
-        self._finish_backward()
-
     # -- start-up ------------------------------------------------------------------------------
     @torch.no_grad()
     def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
         """Make every replica start from the first rank's weights: one flat broadcast."""
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-        comm.broadcast(flat, src=comm.group_ranks(self.group)[0], group=self.group, label="ddp/init")
+        with _trace.tagged(phase="init"):
+            comm.broadcast(flat, src=comm.group_ranks(self.group)[0], group=self.group, label="ddp/init")
         offset = 0
         for p in params:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -139,11 +123,9 @@ class DistributedDataParallel(nn.Module):
 
     # -- during backward -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._sync:
+        if not self.sync:
             return
-        if not self._callback_queued:  # runs once when this whole backward pass is over
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+        self.queue_finish()  # finish_gradients, once, when this whole backward pass is over
         bucket = self._bucket_of[param]
         bucket.ready += 1
         while self._next_bucket < len(self.buckets):
@@ -167,8 +149,9 @@ class DistributedDataParallel(nn.Module):
             else:  # backward accumulated in the bucket already
                 view.div_(self.world_size)
             view.add_(0.0)  # used here: never -0.0 (see the top)
-        bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
-                                        label=f"ddp/bucket{bucket.index}", async_op=True)
+        with _trace.tagged(phase="backward"):  # the gradients' all-reduce, whenever it is launched
+            bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
+                                            label=f"ddp/bucket{bucket.index}", async_op=True)
         self._next_bucket += 1
 
     @staticmethod
@@ -177,7 +160,9 @@ class DistributedDataParallel(nn.Module):
         return [bucket.buffer[offset:offset + p.numel()].view_as(p) for p, offset in zip(bucket.params, bucket.offsets)]
 
     @torch.no_grad()
-    def _finish_backward(self) -> None:
+    def finish_gradients(self) -> None:
+        """Launch what is left, wait for every bucket: at the end of backward, or at once after
+        backward passes under ``no_sync`` (a pipeline's micro-batches), sending the accumulated sum."""
         while self._next_bucket < len(self.buckets):  # buckets holding unused parameters
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
@@ -188,13 +173,6 @@ class DistributedDataParallel(nn.Module):
                 p.grad = None if used_by_no_rank(averaged) else averaged  # (used elsewhere: the average)
             bucket.ready, bucket.handle = 0, None
         self._next_bucket = 0
-        self._callback_queued = False
-
-
-def used_by_no_rank(averaged: torch.Tensor) -> bool:
-    """Did every rank send -0.0 for every element, i.e. did no rank use this parameter? (-0.0 stays
-    -0.0 through the division by n and a sum of -0.0 alone; any rank's 0.0 or value makes it not.)"""
-    return not averaged.any() and bool(averaged.signbit().all())
 
 
 # -- the data side -------------------------------------------------------------------------------------
@@ -246,6 +224,6 @@ class DistributedSampler:
 def all_reduce_mean(value: torch.Tensor | float, group: dist.ProcessGroup | None = None,
                     label: str = "ddp/metric") -> float:
     """The mean of a metric over the ranks (e.g. each rank's evaluation loss)."""
-    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().reshape(1).to(device())
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().reshape(1).to(comm.device())
     comm.all_reduce(t, group=group, label=label)
     return t.item() / comm.group_size(group)

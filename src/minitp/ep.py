@@ -21,40 +21,14 @@ gradient, which already sums every rank's tokens, is divided by n: the loss is t
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from minitp import comm
-from minitp.models.moe import MoEFeedForward, Routing, combine, moe_layers
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all of rows forward; backward sends the gradients back the way the rows came."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, label):
-        ctx.splits, ctx.group, ctx.label = (output_splits, input_splits), group, label
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group, label=label)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        comm.all_to_all(out, grad.contiguous(), input_splits, output_splits, group=ctx.group,
-                        label=ctx.label + "/backward")
-        return out, None, None, None, None
-
-
-def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None,
-                    label: str = "ep") -> torch.Tensor:
-    """Send ``input_splits[j]`` rows of x (A, D) to rank j of the group, receive ``output_splits[i]``
-    from rank i -> (sum(output_splits), D); autograd-aware (backward is the reverse all-to-all)."""
-    return _AllToAll.apply(x, list(output_splits), list(input_splits), group, label)
+from minitp.models.moe import MoEFeedForward, RoutedFeedForward, Routing, combine, moe_layers
+from minitp.regions import all_to_all_rows
+from minitp.replicas import GradientSync, all_reduce_mean
 
 
 def experts_of_rank(n_experts: int, ep: int, rank: int) -> range:
@@ -74,11 +48,9 @@ def dispatch_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     return order, torch.bincount(expert[order], minlength=routing.n_experts)
 
 
-class ExpertParallelFeedForward(nn.Module):
+class ExpertParallelFeedForward(RoutedFeedForward):  # its route(): the one-process routing, the same tokens dropped
     """A ``MoEFeedForward`` whose experts are split over ``group``: this rank keeps the router and its
     E/n experts (under their own names, ``experts.5.w1``...), and swaps tokens with the others."""
-
-    route = MoEFeedForward.route  # the one-process routing, borrowed: the same tokens dropped, the same loss
 
     def __init__(self, moe: MoEFeedForward, group=None, name: str = "moe"):
         super().__init__()
@@ -126,14 +98,14 @@ class ExpertParallelFeedForward(nn.Module):
         return combine(slots.view(B, S, k, D), routing)
 
 
-class ExpertParallel(nn.Module):
+class ExpertParallel(GradientSync, nn.Module):
     """Make ``model`` (a MoE model, the same on every rank) expert parallel over ``group``: each MoE
     layer keeps E/n experts; after every backward the replicated parameters' gradients are averaged
     over the data-parallel ranks and the experts' over their copies, so every rank steps as one
     process would.
 
     dp_group: the ranks the replicated parameters are data parallel over (default: ``group``); on a
-    mesh (``mesh_ep_groups``) it holds dp ranks, ep of which share one set of experts.
+    mesh (``Mesh.ep_group``) it holds dp ranks, ep of which share one set of experts.
     expert_dp_group: the dp/ep ranks holding the same experts as this one, one in each ep group
     (needed when dp_group is larger than ``group``). Each rank's loss is the mean over its own
     sequences and the global loss their mean over the dp ranks, so an expert's gradient, which holds
@@ -166,74 +138,27 @@ class ExpertParallel(nn.Module):
         self.expert_params = [p for layer in moe_layers(model) for p in layer.experts.parameters()]
         ids = {id(p) for p in self.expert_params}
         self.replicated_params = [p for p in model.parameters() if id(p) not in ids]
-        self._queued, self._sync = False, True
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for p in model.parameters():  # finish_gradients, once, when a backward pass is over
+            p.register_post_accumulate_grad_hook(lambda p: self.queue_finish())
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients and average nothing (a pipeline's micro-batches);
-        call ``finish_gradients`` after."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    def _on_grad_ready(self, param) -> None:
-        if self._sync and not self._queued:  # once per backward, when it is over
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradients)
-            self._queued = True
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Average the replicated gradients over dp (one flat all-reduce); the experts' over their
         copies (one flat all-reduce over expert_dp_group, when there are copies), or divide them."""
-        self._queued = False
         grads = [p.grad for p in self.replicated_params]
         if any(g is None for g in grads):
             missing = [i for i, g in enumerate(grads) if g is None]
             raise RuntimeError(f"replicated parameters {missing[:5]} got no gradient; every rank must use them")
-        _mean_flat(grads, self.dp_size, self.dp_group, "ep/replicated_grads")
+        all_reduce_mean(grads, self.dp_group, self.dp_size, "ep/replicated_grads")
         experts = [p.grad for p in self.expert_params if p.grad is not None]
         if self.expert_dp_group is not None and comm.group_size(self.expert_dp_group) > 1:
-            _mean_flat(experts, self.dp_size, self.expert_dp_group, "ep/expert_grads")
+            all_reduce_mean(experts, self.expert_dp_group, self.dp_size, "ep/expert_grads")
         else:
             for g in experts:
                 g.div_(self.dp_size)
-
-
-def _mean_flat(grads: list[torch.Tensor], divide_by: int, group, label: str) -> None:
-    """Sum ``grads`` over ``group`` in one flat all-reduce and divide them by ``divide_by``, in place."""
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(divide_by)
-    comm.all_reduce(flat, group=group, label=label)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def mesh_ep_groups(mesh, ep: int):
-    """This rank's (ep group, expert_dp group) on a ``Mesh``: within each dp group of the mesh,
-    runs of ep consecutive ranks share one set of experts (an ep group), and the ranks at the same
-    place in every run hold the same experts (an expert_dp group, whose gradient all-reduce counts
-    as "dp"). Every rank creates every group, in one order."""
-    from minitp import layout
-
-    layout.check_divisible("dp", mesh.dp, "ep", ep, ": the experts are split over ep of the dp ranks")
-    mine = {}
-    for ranks in layout.group_lists(mesh.dp, mesh.pp, mesh.tp)["dp"]:
-        for kind, runs in (("ep", [ranks[i:i + ep] for i in range(0, len(ranks), ep)]),
-                           ("dp", [ranks[j::ep] for j in range(ep)])):
-            for run in runs:
-                group = dist.new_group(run)
-                if mesh.rank in run:
-                    comm.name_group(group, kind)
-                    mine[kind] = group
-    return mine["ep"], mine["dp"]
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -38,8 +38,9 @@ on it as DDP's do, inside the reduce-scatter: a rank that did not use it sends -
 unit's count advances. A parameter unused for some steps and used later gets the unit's bias
 correction, where one process (or ``fully_shard``) counts its own steps.
 
-The model stays plain: its parameters are replaced by views into the units' flat buffers, set as
-ordinary tensor attributes before each forward, so its own code runs unchanged.
+The model stays plain: its parameters are replaced by views into the units' flat buffers, registered
+on their modules as non-persistent buffers under the parameters' names before each forward, so its
+own code runs unchanged.
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from minitp import comm, fsdp_units
-from minitp.ddp import used_by_no_rank
+from minitp import trace as _trace
 from minitp.fsdp_units import LocalPiece, Unit, UnitPlan, WrapPolicy, plan_units, unit_numels, wrap_blocks  # noqa: F401
 from minitp.layout import padded_numel, shard_range
 from minitp.memory import storage_bytes
+from minitp.replicas import GradientSync, used_by_no_rank
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(GradientSync, nn.Module):
     """Wrap a plain model so that each rank holds a shard of it (ZeRO stage ``zero``).
 
     module: the plain model, built the same way (same seed) on every rank; each rank keeps its
@@ -104,8 +106,6 @@ class FullyShardedDataParallel(nn.Module):
         self.gathered_bytes = sum(u.full_bytes() for u in self.units if u.gathered)
         self.gathered_peak = self.gathered_bytes
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter is still running
-        self._callback_queued = False
-        self._sync = True  # False inside no_sync(): gradients accumulate, nothing is sent
         self._kept: list = []  # during an optimizer step: (unit, part, values, moments) to put back
         for unit in self.units:
             unit.full.register_post_accumulate_grad_hook(functools.partial(self._reduce_gradient, unit))
@@ -114,8 +114,6 @@ class FullyShardedDataParallel(nn.Module):
             module_ = unit.plan.module
             module_.register_forward_pre_hook(functools.partial(self._before_forward, unit))
             module_.register_forward_hook(functools.partial(self._after_forward, unit))
-            if checkpoint:  # the hooks stay outside; backward reruns only the block's own forward
-                module_.forward = functools.partial(_checkpoint, module_.forward, use_reentrant=False)
 
     @torch.no_grad()
     def _make_unit(self, plan: UnitPlan) -> Unit:
@@ -124,7 +122,7 @@ class FullyShardedDataParallel(nn.Module):
         flat = torch.zeros(padded, dtype=torch.float32, device=_device_of(plan))  # (P,)
         for slot in plan.slots:
             flat[slot.offset:slot.offset + slot.numel] = getattr(slot.owner, slot.attr).reshape(-1)
-            del slot.owner._parameters[slot.attr]  # the model keeps a plain attribute from now on
+            del slot.owner._parameters[slot.attr]  # the model holds a view in its place from now on
         if self.zero == 3:
             full = torch.empty(padded, dtype=self.compute_dtype, device=flat.device)
             master = nn.Parameter(flat[mine.start:mine.stop].clone())  # (P/n,) fp32
@@ -153,7 +151,7 @@ class FullyShardedDataParallel(nn.Module):
             view = piece.view(slot.shape)
             if view.requires_grad:
                 view.register_hook(functools.partial(_mark_used, unit.used, i))
-            setattr(slot.owner, slot.attr, view)
+            slot.owner.register_buffer(slot.attr, view, persistent=False)  # in the parameter's place
 
     def _unshard(self, unit: Unit, phase: str, async_op: bool = False) -> None:
         """Make ``unit.full`` hold the parameters: all-gather every rank's shard into it."""
@@ -166,8 +164,9 @@ class FullyShardedDataParallel(nn.Module):
             return
         unit.full.untyped_storage().resize_(unit.full_bytes())
         self._count_gathered(unit.full_bytes())
-        handle = comm.all_gather(unit.full.data, unit.shard, self.group, async_op=async_op,
-                                 label=f"fsdp/{unit.name}/all_gather.{phase}")
+        with _trace.tagged(unit=unit.name, phase=phase):  # Event.unit, Event.phase
+            handle = comm.all_gather(unit.full.data, unit.shard, self.group, async_op=async_op,
+                                     label=f"fsdp/{unit.name}/all_gather.{phase}")
         unit.gathered, unit.gather = True, handle
 
     def _reshard(self, unit: Unit) -> None:
@@ -191,6 +190,8 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.checkpoint:  # each block recomputes in backward; the hooks stay outside (TransformerBlock.forward)
+            kwargs["recompute"] = functools.partial(_checkpoint, use_reentrant=False)
         if torch.is_grad_enabled() and self.optimizer is None:
             raise RuntimeError("no optimizer attached: use optimizer = fsdp.attach(torch.optim.AdamW("
                                "fsdp.parameters(), ...)) before training; its step hooks finish each step")
@@ -200,7 +201,7 @@ class FullyShardedDataParallel(nn.Module):
             self._prefetch(self.root, +1, "forward")
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(self._on_backward_start)
+            out.register_hook(lambda grad: self.queue_finish())  # finish_gradients when backward is over
         else:  # no backward will come to free them
             for unit in self.units:
                 self._reshard(unit)
@@ -223,11 +224,6 @@ class FullyShardedDataParallel(nn.Module):
             output.register_hook(functools.partial(self._before_backward, unit))
 
     # -- backward -------------------------------------------------------------------------------
-    def _on_backward_start(self, grad: torch.Tensor) -> None:
-        if not self._callback_queued:  # runs once, when this whole backward pass is over
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-
     def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         """Called with the gradient of the unit's output, just before the unit's own backward."""
         self._unshard(unit, "backward")
@@ -238,9 +234,9 @@ class FullyShardedDataParallel(nn.Module):
         """The unit's full gradient is complete: start its reduce-scatter (in fp32), keep at most
         one in flight (the previous one is finished first, so its buffers are freed), and free the
         gathered parameters (ZeRO-3)."""
-        if not self._sync:  # no_sync: autograd keeps adding into full.grad
+        if not self.sync:  # no_sync: autograd keeps adding into full.grad
             return
-        self._on_backward_start(full)
+        self.queue_finish()  # finish_gradients, once, when this whole backward pass is over
         self._start_reduce(unit)
 
     @torch.no_grad()
@@ -255,7 +251,8 @@ class FullyShardedDataParallel(nn.Module):
                 send[slot.offset:slot.offset + slot.numel] = -0.0
         send.div_(self.world_size)  # the mean over ranks = the gradient of the whole batch
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=send.device)  # (P/n,)
-        handle = comm.reduce_scatter(out, send, self.group, async_op=True, label=f"fsdp/{unit.name}/reduce_scatter")
+        with _trace.tagged(unit=unit.name, phase="backward"):
+            handle = comm.reduce_scatter(out, send, self.group, async_op=True, label=f"fsdp/{unit.name}/reduce_scatter")
         unit.reducing, unit.reduced, self._in_flight = (handle, out, send), True, unit
         if self.zero == 1:
             unit.grad_full = grad  # kept whole; its own slice gets the averaged gradient
@@ -285,46 +282,33 @@ class FullyShardedDataParallel(nn.Module):
     def _shard_range(self, unit: Unit) -> range:
         return shard_range(unit.plan.numel, self.world_size, self.rank)
 
+    # -- the end of backward, and gradient accumulation (a pipeline's micro-batches) ------------------
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside add each unit's full gradient into ``unit.full.grad`` and send
+        nothing; ``finish_gradients()`` then reduce-scatters the sum, once. ZeRO-1 only: ZeRO-2 and 3
+        give up the full gradient during backward, and accumulating it is what they save (DeepSpeed
+        allows only ZeRO-1 with pipeline parallelism, for the same reason)."""
+        if self.zero != 1:
+            raise ValueError(f"no_sync needs zero=1 (the full gradient kept through backward), got zero={self.zero}")
+        with super().no_sync():
+            yield
+
     @torch.no_grad()
-    def _finish_backward(self) -> None:
-        for unit in self.units if self._sync else ():
-            if not unit.reduced:  # took no part in this forward: it still joins the collective
-                unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
-                self._reduce_gradient(unit, unit.full)
+    def finish_gradients(self) -> None:
+        """Reduce-scatter every unit's gradient not yet sent (at the end of backward: the units no
+        forward reached, which still join the collective with zeros; after backward passes under
+        ``no_sync``: every unit's accumulated sum), wait for the last, free the gathered weights."""
+        for unit in self.units:
+            if not unit.reduced:
+                if unit.full.grad is None:
+                    unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
+                self._start_reduce(unit)
         if self._in_flight is not None:
             self._finish_reduce(self._in_flight)
         for unit in self.units:
             unit.reduced = False
             self._reshard(unit)
-        self._callback_queued = False
-
-    # -- gradient accumulation (a pipeline's micro-batches) -----------------------------------------
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside add each unit's full gradient into ``unit.full.grad`` and send
-        nothing; ``reduce_gradients()`` then reduce-scatters the sum, once. ZeRO-1 only: ZeRO-2 and 3
-        give up the full gradient during backward, and accumulating it is what they save (DeepSpeed
-        allows only ZeRO-1 with pipeline parallelism, for the same reason)."""
-        if self.zero != 1:
-            raise ValueError(f"no_sync needs zero=1 (the full gradient kept through backward), got zero={self.zero}")
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Reduce-scatter every unit's accumulated gradient (after backward passes under ``no_sync``),
-        as the end of a synchronised backward would."""
-        for unit in self.units:
-            if unit.full.grad is None:  # no backward reached it: it still joins the collective
-                unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
-            self._start_reduce(unit)
-        if self._in_flight is not None:
-            self._finish_reduce(self._in_flight)
-        for unit in self.units:
-            unit.reduced = False
 
     # -- the optimizer step -----------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -356,8 +340,11 @@ class FullyShardedDataParallel(nn.Module):
                 unit.master.grad = None
                 unit.shard.copy_(unit.master)  # fp32 master -> bf16 shard
         if self.zero < 3:  # every rank updated its slice only: gather the full parameters back
-            handles = [comm.all_gather(u.full.data, u.shard.clone(), self.group, async_op=True,
-                                       label=f"fsdp/{u.name}/all_gather.step") for u in self.units]
+            handles = []
+            for u in self.units:
+                with _trace.tagged(unit=u.name, phase="step"):
+                    handles.append(comm.all_gather(u.full.data, u.shard.clone(), self.group, async_op=True,
+                                                   label=f"fsdp/{u.name}/all_gather.step"))
             for handle in handles:
                 handle.wait()
 
@@ -369,7 +356,8 @@ class FullyShardedDataParallel(nn.Module):
         out = {}
         for unit in self.units:
             flat = torch.empty(unit.padded, dtype=torch.float32, device=unit.master.device)  # (P,)
-            comm.all_gather(flat, unit.master.detach(), self.group, label=f"fsdp/{unit.name}/all_gather.state_dict")
+            with _trace.tagged(unit=unit.name, phase="state_dict"):
+                comm.all_gather(flat, unit.master.detach(), self.group, label=f"fsdp/{unit.name}/all_gather.state_dict")
             for slot in unit.plan.slots:
                 out[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return {name: out[name] for name in self.param_names}

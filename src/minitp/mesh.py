@@ -1,9 +1,10 @@
-"""The device mesh of 3D parallelism: the world's ranks laid out on a (dp, pp, tp) grid.
+"""The device mesh: the world's ranks on a (dp, pp, tp) grid, the dp axis split further by context
+and expert parallel. Every process group of every dimension is made here, and only here.
 
 Every rank has three coordinates. Ranks that differ only in ``tp`` hold slices of the same layers
 (tensor parallel); ranks that differ only in ``pp`` hold consecutive stages of one replica
-(pipeline parallel); ranks that differ only in ``dp`` hold the same part of the model and read
-different slices of the batch (data parallel). So each rank belongs to three process groups:
+(pipeline parallel); ranks that differ only in ``dp`` hold the same part of the model and average
+their gradients (data parallel). So each rank belongs to three process groups:
 
     rank = (dp_rank · pp + pp_rank) · tp + tp_rank          tp varies fastest, dp slowest
 
@@ -19,11 +20,18 @@ can span machines.
       replica 1: stage 0 = [4 5]
                  stage 1 = [6 7]
 
+The two other dimensions split a dp group (the ranks that average gradients together):
+
+* cp: each run of cp consecutive ranks of a dp group is one context-parallel group: one replica's
+  sequences, cut along the positions. The dp axis then holds dp/cp replicas × cp.
+* ep: each run of ep consecutive ranks of a dp group shares one set of experts (an ep group); the
+  ranks at the same place in every run hold the same experts (an expert-dp group, named "dp").
+
 ``torch.distributed.new_group`` must be called by every rank of the world, for every group, in
 the same order (even for groups the rank is not in), so ``Mesh`` builds all of them, in a fixed
-order, and keeps the three it belongs to. The layout arithmetic needs no process group and lives
-in ``minitp.layout`` (usable anywhere: the planner, the parent process, tests); the trainer that
-composes the strategies on a mesh is ``minitp.parallel3d.Parallel3D``.
+order, and keeps the ones it belongs to. The arithmetic needs no process group and lives in
+``minitp.layout`` (with ``check_composition``, what composes with what); the trainer that composes
+the strategies on a mesh is ``minitp.parallel3d.Parallel3D``.
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from minitp import comm
-from minitp.layout import DIMS, check_layout, coordinates, group_lists, rank_of
+from minitp.grid import check_layout, coordinates, group_lists, rank_of
+from minitp.layout import DIMS, check_divisible
 
 
 class Mesh:
-    """This rank's place on a (dp, pp, tp) mesh over the whole world, and its three process groups.
+    """This rank's place on a (dp, pp, tp) mesh over the whole world, and its process groups.
 
     Call it on every rank at once, after the world's process group exists (``minitp.launch`` or
     torchrun set it up): it creates every group of every dimension, collectively.
@@ -43,38 +52,60 @@ class Mesh:
         mesh = Mesh(dp=2, pp=2, tp=2)
         mesh.tp_group, mesh.pp_group, mesh.dp_group   # pass these to tp / pp / ddp / fsdp
         mesh.coords                                   # Coordinates(dp=1, pp=0, tp=1) on rank 5
+
+    cp, ep: split each dp group (of ``dp`` ranks) into context-parallel groups of cp ranks
+    (``cp_group``) or expert groups of ep ranks (``ep_group``, with ``expert_dp_group``); None when 1.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int):
+    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1):
         world = dist.get_world_size()
         check_layout(dp, pp, tp, world)
-        self.dp, self.pp, self.tp = dp, pp, tp
+        check_divisible("the mesh's dp", dp, "cp", cp, ": it holds dp·cp ranks")
+        check_divisible("dp", dp, "ep", ep, ": the experts are split over ep of the dp ranks")
+        self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp, ep
         self.world_size, self.rank = world, dist.get_rank()
         self.coords = coordinates(self.rank, dp, pp, tp)
         self.group_ranks: dict[str, list[int]] = {}
-        groups = {}
-        for dim, lists in group_lists(dp, pp, tp).items():  # the same order on every rank
-            for ranks in lists:
-                group = dist.new_group(ranks)
-                comm.name_group(group, dim)  # its messages are recorded with Event.dim == dim
-                if self.rank in ranks:
-                    groups[dim], self.group_ranks[dim] = group, ranks
+        self.cp_group = self.ep_group = self.expert_dp_group = None
+        lists = group_lists(dp, pp, tp)
+        groups = {dim: self._make(dim, lists[dim]) for dim in ("tp", "pp", "dp")}  # the same order on every rank
         self.tp_group, self.pp_group, self.dp_group = groups["tp"], groups["pp"], groups["dp"]
+        if cp > 1:
+            self.cp_group = self._make("cp", [ranks[i:i + cp] for ranks in lists["dp"] for i in range(0, dp, cp)])
+        if ep > 1:
+            for ranks in lists["dp"]:  # per dp group: its ep runs, then its expert-dp groups
+                self.ep_group = self._make("ep", [ranks[i:i + ep] for i in range(0, dp, ep)]) or self.ep_group
+                expert_dp = self._make("dp", [ranks[j::ep] for j in range(ep)], key="expert_dp")
+                self.expert_dp_group = expert_dp or self.expert_dp_group
+
+    def _make(self, dim: str, lists: list[list[int]], key: str | None = None):
+        """Create every group of ``lists`` (collective: all ranks, same order), name each ``dim``;
+        return the one this rank is in (None if none)."""
+        mine = None
+        for ranks in lists:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                comm.name_group(group, dim)  # its messages are recorded with Event.dim == dim
+                mine, self.group_ranks[key or dim] = group, ranks
+        return mine
 
     @property
     def shape(self) -> dict[str, int]:
+        """The grid's three axes (what a checkpoint records; cp and ep split the dp axis)."""
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
 
-    def group(self, dim: str) -> dist.ProcessGroup:
-        """The group of dimension ``dim`` ("dp", "pp" or "tp") this rank is in."""
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The group of dimension ``dim`` (one of ``minitp.layout.DIMS``) this rank is in."""
         if dim not in DIMS:
             raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {', '.join(DIMS)}")
-        return getattr(self, f"{dim}_group")
+        return {"dp": self.dp_group, "pp": self.pp_group, "tp": self.tp_group, "cp": self.cp_group,
+                "ep": self.ep_group}[dim]
 
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return rank_of(dp_rank, pp_rank, tp_rank, self.pp, self.tp)
 
     def __repr__(self) -> str:
         c = self.coords
-        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; rank {self.rank} at "
+        extra = "".join(f", {d}={getattr(self, d)}" for d in ("cp", "ep") if getattr(self, d) > 1)
+        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{extra}; rank {self.rank} at "
                 f"dp={c.dp} pp={c.pp} tp={c.tp})")

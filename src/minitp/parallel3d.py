@@ -8,9 +8,10 @@ by the earlier chapters' code, in the order that lets each one see what it needs
 4. ``pp.Pipeline`` runs the schedule, calling the wrapper through a ``pp.StageSpec``: the pipeline
    knows the stage from its description, the wrapper knows nothing of pipelines.
 
-Also here: the inverse, whole tensors from every rank's tp slices (``unshard_3d``), and which dim
-tensor parallel split each parameter along (``split_dims``). The mesh and its groups are in
-``minitp.mesh``; the layout arithmetic and its checks in ``minitp.layout``.
+Every wrapper of step 3 (and expert parallel's, in its place) keeps the same data-parallel protocol
+(``minitp.replicas``: ``no_sync()``, ``finish_gradients()``), so the trainer never asks which one it
+holds. Also here: the inverse, whole tensors from every rank's tp slices (``unshard_3d``). The mesh
+and every group are in ``minitp.mesh``; the arithmetic and what composes with what in ``minitp.layout``.
 """
 
 from __future__ import annotations
@@ -19,20 +20,20 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
-import torch.nn as nn
 
+from minitp import comm
 from minitp import cp as _cp
 from minitp import ep as _ep
 from minitp import tp as _tp
 from minitp import trace as _trace
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel
-from minitp.launch import device as launch_device
-from minitp.layout import check_zero
+from minitp.grid import check_composition, check_zero
 from minitp.memory import held_bytes
 from minitp.mesh import Mesh
-from minitp.models import Transformer, loss_fn, make_optimizer
+from minitp.models import Transformer, loss_fn
 from minitp.models.moe import MoEConfig, aux_loss, moe_layers
+from minitp.models.train import make_optimizer
 from minitp.pp import Pipeline, PipelineStage, StageSpec
 
 
@@ -48,15 +49,15 @@ class Parallel3D:
     under ``no_sync`` and are averaged once after the schedule (FSDP: ZeRO-1 only, see ``fsdp.no_sync``).
     A dimension of size 1 is left out (no wrapper, no message).
 
-    cp: context parallel inside each replica (the mesh's dp dimension holds dp·cp ranks; DDP): each
-        attention a ring over the cp group, each pipeline stage's RoPE at its rank's positions.
+    mesh.cp: context parallel inside each replica (the mesh's dp axis holds dp·cp ranks): each
+        attention a ring over the cp group, RoPE at the rank's positions (``cp.Context``).
     schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP only.
-    ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp ranks
-    shares one set of experts (``ep.mesh_ep_groups``); ``ep.ExpertParallel`` then averages the
+    mesh.ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp
+    ranks shares one set of experts (``Mesh.ep_group``); ``ep.ExpertParallel`` then averages the
     replicated gradients over dp and each expert's over its dp/ep copies, in place of DDP (tp = 1;
     with pp, each stage's MoE layers add coef/m of their auxiliary loss to the backward).
 
-    device: where the model, the batches and the messages go; by default ``minitp.launch.device()``
+    device: where the model, the batches and the messages go; by default ``minitp.comm.device()``
     (``cuda:LOCAL_RANK`` under NCCL, else the CPU).
 
     Read by others: ``mesh``, ``data_parallel``, ``zero``, ``module`` (the pieces this rank holds,
@@ -67,52 +68,45 @@ class Parallel3D:
 
     def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
-                 device: torch.device | str | None = None, cp: int = 1, ep: int = 1, virtual_stages: int = 1):
-        if data_parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+                 device: torch.device | str | None = None, virtual_stages: int = 1):
+        check_composition(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep, data_parallel, schedule,
+                          virtual_stages)
         self.zero = check_zero(data_parallel, zero, mesh.pp)
         self.mesh, self.data_parallel = mesh, data_parallel
         # what a checkpoint stores and checks: the plain model's config and its parameters' whole shapes
         self.config = model.config
         self.whole_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        self.device = torch.device(device) if device is not None else launch_device()
+        self.device = torch.device(device) if device is not None else comm.device()
         model.to(self.device)
         self.loss = loss_fn
         if mesh.tp > 1:
             _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
             self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
-        # context parallel: the mesh's dp dimension holds dp·cp ranks; each attention becomes a ring
-        self.cp, self.cp_group = cp, None
-        if cp > 1:  # the model then takes (B/dp, S/cp) tokens and their positions in the sequence
-            self.cp_group = _cp.mesh_cp_group(mesh, cp)
-            _cp.parallelize(model, self.cp_group)
-        # expert parallel: a MoE model's experts over ep of the dp ranks, the rest data parallel over dp
-        self.ep, self.expert_parallel, ep_groups = ep, None, None
-        if ep > 1:
-            if mesh.tp > 1 or cp > 1 or data_parallel != "ddp" or (mesh.pp > 1 and schedule == "interleaved"):
-                raise ValueError(f"ep={ep} composes with dp (DDP) and pp (not interleaved); got tp={mesh.tp}, "
-                                 f"cp={cp}, {data_parallel}, schedule={schedule!r}")
-            if not isinstance(model.config, MoEConfig):
-                raise ValueError(f"ep={ep} needs a MoE model (minitp.models.moe), got {type(model.config).__name__}")
-            ep_groups = _ep.mesh_ep_groups(mesh, ep)
+        # context parallel: the mesh's dp axis holds dp·cp ranks; every attention runs the ring over
+        # mesh.cp_group, and RoPE rotates this rank's (B/dp, S/cp) tokens by their positions
+        self.context = _cp.Context(mesh.cp_group) if mesh.cp > 1 else None
         moe = isinstance(model.config, MoEConfig)
+        if mesh.ep > 1 and not moe:
+            raise ValueError(f"ep={mesh.ep} needs a MoE model (minitp.models.moe), got {type(model.config).__name__}")
         if moe and mesh.pp == 1:
             loss = self.loss
             self.loss = lambda logits, targets: loss(logits, targets) + model.config.aux_loss_coef * aux_loss(model)
-        self.pipeline = interleaved = None
+        interleaved = None
         if mesh.pp > 1 and schedule == "interleaved":
             # v chunks per rank, run by the pipeline itself; DDP only keeps the gradient buckets (under
             # no_sync during the schedule, averaged after it), so no chunk needs to run through it
-            if data_parallel != "ddp":
-                raise ValueError("schedule='interleaved' composes with DDP only: FSDP gathers a unit's weights "
-                                 "through its own forward, and the pipeline runs each chunk directly")
             interleaved = Pipeline(model, mesh.pp_group, schedule, microbatches, loss=self.loss,
-                                   virtual_stages=virtual_stages)
+                                   virtual_stages=virtual_stages, context=self.context)
             module = interleaved.module
+        elif mesh.pp > 1:
+            module = PipelineStage(model, mesh.coords.pp, mesh.pp, self.context)
         else:
-            module = PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
-        if ep_groups is not None:  # the experts of the blocks this rank holds, over its stage's ep group
-            self.expert_parallel = _ep.ExpertParallel(module, ep_groups[0], mesh.dp_group, ep_groups[1])
+            module = model
+        # data parallel over the dp axis: whichever wrapper, the same protocol (no_sync, finish_gradients)
+        self.ddp = self.fsdp = self.expert_parallel = self.replicas = None
+        if mesh.ep > 1:  # the experts of the blocks this rank holds over its ep group, the rest over dp
+            self.expert_parallel = self.replicas = _ep.ExpertParallel(module, mesh.ep_group, mesh.dp_group,
+                                                                      mesh.expert_dp_group)
         # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward themselves
         # (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
         self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss, pp > 1
@@ -123,19 +117,13 @@ class Parallel3D:
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
         stage = StageSpec.of(module) if mesh.pp > 1 and interleaved is None else None
-        if cp > 1 and mesh.pp > 1:  # each stage's blocks rotate this rank's positions (the ring is in place)
-            for piece in ([c.module for c in interleaved.chunks] if interleaved else [module]):
-                piece.cp_group = self.cp_group
         self.module = module  # what this rank holds, under the plain model's names
-        self.split_dims = split_dims(module)
-        self.ddp = self.fsdp = None
-        self.step_model = module
-        if self.expert_parallel is not None:  # its own gradient averaging (replicated over dp, experts over copies)
-            self.step_model = self.expert_parallel
-        elif mesh.dp > 1 and data_parallel == "ddp":
-            self.ddp = self.step_model = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
-        elif mesh.dp > 1:
-            self.fsdp = self.step_model = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
+        self.split_dims = _tp.split_dims(module)  # (its experts only, under ep)
+        if mesh.ep == 1 and mesh.dp > 1 and data_parallel == "ddp":
+            self.ddp = self.replicas = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
+        elif mesh.ep == 1 and mesh.dp > 1:
+            self.fsdp = self.replicas = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
+        self.step_model = self.replicas or module
         self.pipeline = interleaved
         if stage is not None:  # the pipeline calls the wrapper, computing in its dtype
             dtype = self.fsdp.compute_dtype if self.fsdp else stage.dtype
@@ -150,31 +138,24 @@ class Parallel3D:
         """Forward and backward of one global batch (B, S), the same on every rank; gradients end
         averaged over dp. Returns the loss of this replica's share (None off the last stage)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        if self.cp > 1:  # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
-            tokens, targets = (_cp.replica_share(t, self.mesh, self.cp, self.cp_group) for t in (tokens, targets))
+        if self.context is not None:  # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
+            tokens, targets = (_cp.replica_share(t, self.mesh) for t in (tokens, targets))
         elif self.mesh.dp > 1:  # this replica's rows: (B, S) → (B/dp, S)
             tokens, targets = split_batch(tokens, self.mesh.dp_group), split_batch(targets, self.mesh.dp_group)
         if self.pipeline is None:
-            # context parallel: RoPE at this rank's positions of the sequence (the pipeline's stages know theirs)
-            where = {}
-            if self.cp > 1:
-                where["positions"] = _cp.local_positions(tokens.shape[1], self.cp_group).to(self.device)
+            # context parallel: the ring and RoPE at this rank's positions (the pipeline's stages know theirs)
+            where = self.context.inputs(tokens) if self.context is not None else {}
             with _trace.span("forward"):
                 loss = self.loss(self.step_model(tokens, **where), targets)
             with _trace.span("backward"):
                 loss.backward()
             return loss.item()
-        wrapper = self.ddp or self.fsdp or self.expert_parallel
-        with wrapper.no_sync() if wrapper else nullcontext():
+        with self.replicas.no_sync() if self.replicas else nullcontext():
             record = self.pipeline.forward_backward(tokens, targets)
         self.aux_per_step = float(sum(self._aux_parts)) if self._aux_parts else 0.0  # one sync, not one per layer
         self._aux_parts.clear()
-        if self.ddp:
-            self.ddp.all_reduce_gradients()
-        elif self.fsdp:
-            self.fsdp.reduce_gradients()
-        elif self.expert_parallel:
-            self.expert_parallel.finish_gradients()
+        if self.replicas:
+            self.replicas.finish_gradients()
         return record.loss
 
     def _add_aux_loss(self, coef: float, microbatches: int):
@@ -204,12 +185,6 @@ class Parallel3D:
         else:
             state = {n: p.detach().clone() for n, p in self.module.named_parameters()}
         return {name: (state[name].cpu(), self.split_dims[name]) for name in self.split_dims}
-
-
-def split_dims(module: nn.Module) -> dict[str, int | None]:
-    """{parameter name: the dim tensor parallel split it along, or None where it is replicated}."""
-    return {f"{m}.{n}" if m else n: getattr(sub, "split_dims", {}).get(n)
-            for m, sub in module.named_modules() for n, _ in sub.named_parameters(recurse=False)}
 
 
 def unshard_3d(shards: list[list[dict]]) -> dict:

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from minitp import cost
-from minitp.layout import check_3d_layout, check_divisible, check_positive, check_zero, layouts
+from minitp.grid import check_3d_layout, check_zero, layouts
+from minitp.layout import check_divisible, check_positive
 from minitp.models import ModelConfig
 
 GIB = 2**30
@@ -217,44 +218,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# how the explorer keeps activations: (recompute, sequence_parallel) of ``plan``
+# the ways of keeping activations a learner picks from (``minitp.viz.explore.plan_explorer``):
+# name -> (recompute, sequence_parallel) of ``plan``
 ACTIVATIONS = {"replicated norms": (False, False), "sequence parallel": (False, True),
                "full recomputation": (True, False)}
-
-
-def explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0, static: dict | None = None):
-    """``plan`` as a control (``minitp.viz.explore``): pick a model, GPUs, memory per GPU, FSDP or DDP
-    and how activations are kept (replicated norms, sequence parallel, full recomputation); the table
-    of layouts (all of them, fitting first) follows. Nothing is launched: a setting is one call of
-    ``plan``. Display it: a live panel in JupyterLab (needs ``ipywidgets``, the course extra); in a
-    stored notebook, a static twin over ``static`` (default: this model, GPUs and memory, both data
-    parallels and the three ways of keeping activations)."""
-    from minitp.models import PRESETS
-    from minitp.viz.explore import Control, explore
-
-    def run(model, gpus, gpu_memory_gib, data_parallel, activations):  # the planner's rows, nothing launched
-        recompute, sequence_parallel = ACTIVATIONS[activations]
-        cfg = PRESETS[model]
-        return plan(cfg, gpus, gpu_memory_gib, seq_len=min(cfg.max_seq_len, 8192), data_parallel=data_parallel,
-                    recompute=recompute, sequence_parallel=sequence_parallel, include_unfit=True)
-
-    def draw(rows, setting):
-        cfg = PRESETS[setting["model"]]
-        fit = sum(r["fits"] for r in rows)
-        return format_plan(rows, f"{setting['model']}: {cfg.num_params() / 1e9:.2f} B parameters, sequences of "
-                                 f"{min(cfg.max_seq_len, 8192)}; {fit} of {len(rows)} layouts fit "
-                                 f"{setting['gpu_memory_gib']} GiB per GPU")
-
-    memory = list(range(8, 200, 8))  # GiB per GPU
-    controls = {
-        "model": Control(list(PRESETS), value=model),
-        "gpus": Control([2**k for k in range(1, 12)], value=gpus, label="GPUs"),
-        "gpu_memory_gib": Control(memory, value=next((m for m in memory if m == gpu_memory_gib), gpu_memory_gib),
-                                  label="GiB per GPU"),
-        "data_parallel": Control(["fsdp", "ddp"], label="data parallel"),
-        "activations": Control(list(ACTIVATIONS), label="activations"),
-    }
-    default = {"data_parallel": ["fsdp", "ddp"], "activations": list(ACTIVATIONS)}
-    return explore(run, draw, controls, title="the planner (minitp.plan)",
-                   static=default if static is None else static,
-                   note="each one call of minitp.plan.plan (nothing is launched), stored when this page was made")

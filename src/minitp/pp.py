@@ -16,7 +16,8 @@ ZB-H1 are four pure functions of (p, m[, v]); ``simulate`` plays any of them wit
 ``Pipeline.forward_backward`` runs a rank's table with one small loop. Each message goes through
 ``minitp.comm``: a forward sends the piece's output (b, S, D) to the rank of the next piece
 (``pp/forward/mb3``), a backward sends the gradient of the piece's input to the rank of the previous
-one (``pp/backward/mb3``; under interleaving the labels add ``/piece5``, the sender's piece). Sends
+one (``pp/backward/mb3``; under interleaving the labels add ``/piece5``, the sender's piece); the
+events carry the same as fields (``Event.phase``, ``microbatch``, ``chunk``: the sender's). Sends
 are ``isend`` (waited on at the end of the step); receives are ``irecv`` posted a couple of actions
 ahead (``recv_ahead``) and waited on when the action needs them. Every rank knows every rank's
 table, so it posts its receives from a neighbour in the order that neighbour sends them: messages
@@ -49,7 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from minitp import comm, cp
+from minitp import comm
 from minitp import trace as _trace
 from minitp.layout import stage_blocks
 from minitp.models import Transformer
@@ -88,7 +89,7 @@ class PipelineStage(nn.Module):
 
     run_blocks = Transformer.run_blocks  # the model's own loop, over the blocks this stage holds
 
-    def __init__(self, model: Transformer, stage: int, num_stages: int):
+    def __init__(self, model: Transformer, stage: int, num_stages: int, context=None):
         super().__init__()
         blocks = stage_blocks(len(model.layers), num_stages)[stage]
         self.stage, self.num_stages = stage, num_stages
@@ -100,18 +101,18 @@ class PipelineStage(nn.Module):
         self.output = model.output if self.is_last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        # context parallel (minitp.parallel3d sets it): this rank holds S of the cp·S positions of each
-        # sequence, the balanced chunks of minitp.cp.shard_sequence, and RoPE rotates them by theirs
-        self.cp_group = None
+        # context parallel (``minitp.cp.Context``: ``size``, ``positions(n)``, ``attend``): this rank holds
+        # S of the cp·S positions of each sequence, RoPE rotates them by theirs, attention is the ring
+        self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # first stage: tokens (b, S); any other: the previous stage's output (b, S, D)
         h = self.tok_embeddings(x) if self.is_first else x  # (b, S, D)
-        if self.cp_group is None:
+        if self.context is None:
             h = self.run_blocks(h)
         else:
-            pos = cp.local_positions(x.shape[1], self.cp_group).to(h.device)
-            h = self.run_blocks(h, seq_len=x.shape[1] * comm.group_size(self.cp_group), positions=pos)
+            pos = self.context.positions(x.shape[1]).to(h.device)
+            h = self.run_blocks(h, seq_len=x.shape[1] * self.context.size, positions=pos, attend=self.context.attend)
         return self.output(self.norm(h)) if self.is_last else h  # last: logits (b, S, V); else (b, S, D)
 
 
@@ -207,21 +208,36 @@ class _LinearDeferringWeight(torch.autograd.Function):
         return grad @ weight, None, None, None  # (..., out) -> (..., in)
 
 
+class WeightDeferringLinear(nn.Module):
+    """A bias-free linear layer whose weight gradient waits for zero-bubble's W (``WeightGradients``)."""
+
+    def __init__(self, weight: nn.Parameter, weights: WeightGradients):
+        super().__init__()
+        self.weight, self.weights = weight, weights
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights.linear(self, x)
+
+
 class WeightGradients:
     """Splits the backward of every ``nn.Linear`` of ``module`` (zero-bubble's B and W): B computes
     the input gradient and the small weights (norms, embedding); the linear layers' weight
     gradients wait, with their saved inputs and output gradients, until ``run(key)`` (the W).
-    The linears of the model are changed in place (their ``forward``): the rank owns its stage."""
+    Each linear is replaced, in its parent, by a ``WeightDeferringLinear`` holding the same weight
+    under the same name, as tensor parallel replaces layers: the rank owns its stage."""
 
     def __init__(self, module: nn.Module):
         self.pending: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> [(x, grad, weight)]
         self.key: tuple[int, int] | None = None  # the (chunk, micro-batch) whose forward runs now
-        for linear in (m for m in module.modules() if type(m) is nn.Linear):  # not subclasses with their own forward
-            if linear.bias is not None:
-                raise ValueError("zero-bubble's weight split handles linear layers without bias only")
-            linear.forward = (lambda x, linear=linear: self.linear(linear, x))
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:  # not subclasses with their own forward
+                    if child.bias is not None:
+                        raise ValueError("zero-bubble's weight split handles linear layers without bias only")
+                    parent.add_module(name, WeightDeferringLinear(child.weight, self))
 
-    def linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not linear.weight.is_leaf:  # e.g. a view into FSDP's gathered flat parameter
             raise ValueError("zero-bubble's W writes .grad of each linear weight, which must be a parameter of its "
                              "own (a leaf tensor); this one is a view (FSDP?): use DDP, or another schedule")
@@ -257,6 +273,7 @@ class Pipeline:
         "zb" (ZB-H1: the backward cut into B and W).
     recv_ahead: how many actions past the current one have their receives posted (a receive
         buffer is (b, S, D), small beside the activations a micro-batch keeps for backward).
+    context: context parallel inside each piece (``PipelineStage(context=)``), plain model only.
 
     The table of every rank is known to every rank (it is data), so a receiver posts its receives
     from a neighbour in the order that neighbour sends: messages between two ranks are matched in
@@ -265,7 +282,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b", microbatches: int = 4,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int = 2,
-                 virtual_stages: int = 1):
+                 virtual_stages: int = 1, context=None):
         comm.name_group(group, "pp", unless_named=True)  # its messages' Event.dim
         self.ranks = comm.group_ranks(group)
         p, self.stage = len(self.ranks), comm.group_rank(group)
@@ -281,7 +298,7 @@ class Pipeline:
                                  f"is stage {self.stage} of the {p} ranks of its pipeline group")
             self.chunks = [model]
         else:  # chunk c is piece c·p + rank of the p·v pieces
-            self.chunks = [StageSpec.of(PipelineStage(model, c * p + self.stage, p * v)) for c in range(v)]
+            self.chunks = [StageSpec.of(PipelineStage(model, c * p + self.stage, p * v, context)) for c in range(v)]
         self.module = self.chunks[0].module if v == 1 else StagePieces([c.module for c in self.chunks])
         self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, v
         self.actions = self.table[self.stage]
@@ -295,6 +312,11 @@ class Pipeline:
     def _label(self, kind: str, microbatch: int, piece: int) -> str:
         direction = "forward" if kind == "F" else "backward"
         return f"pp/{direction}/mb{microbatch}" + (f"/piece{piece}" if self.virtual_stages > 1 else "")
+
+    def _tags(self, kind: str, microbatch: int, piece: int) -> dict:
+        """The fields of that message's events (``trace.tagged``): phase, micro-batch, the sender's chunk."""
+        return {"phase": "forward" if kind == "F" else "backward", "microbatch": microbatch,
+                "chunk": piece // self.num_stages}
 
     @property
     def spec(self) -> StageSpec:
@@ -343,8 +365,9 @@ class Pipeline:
                 held.add((c, i))
                 if piece < last_piece:
                     out = y.detach()  # kept alive until the send is waited on
-                    sends.append((comm.isend(out, self._rank_of(piece + 1), self.group,
-                                             label=self._label("F", i, piece)), out))
+                    with _trace.tagged(**self._tags("F", i, piece)):
+                        sends.append((comm.isend(out, self._rank_of(piece + 1), self.group,
+                                                 label=self._label("F", i, piece)), out))
                 peak = max(peak, len(held))
             elif a.kind == "B":
                 x, y = inputs.pop((c, i)), outputs.pop((c, i))
@@ -353,8 +376,9 @@ class Pipeline:
                 torch.autograd.backward(y, grad)  # x.grad, and .grad of the weights unless W is apart
                 end = time.perf_counter()
                 if piece > 0:
-                    sends.append((comm.isend(x.grad, self._rank_of(piece - 1), self.group,
-                                             label=self._label("B", i, piece)), x.grad))
+                    with _trace.tagged(**self._tags("B", i, piece)):
+                        sends.append((comm.isend(x.grad, self._rank_of(piece - 1), self.group,
+                                                 label=self._label("B", i, piece)), x.grad))
                 if self.weights is None:
                     held.discard((c, i))
             else:  # W: the linear layers' weight gradients, from the inputs and gradients B left
@@ -366,7 +390,7 @@ class Pipeline:
             if tr is not None:
                 op = {"F": "forward", "B": "backward", "W": "weight"}[a.kind]
                 tr.add(_trace.Event(tr.rank, "compute", op, tr.label(f"mb{i}" + (f"/chunk{c}" if v > 1 else "")),
-                                    start, end))
+                                    start, end, phase=op, microbatch=i, chunk=c))
         for handle, _ in sends:
             handle.wait()
         return StepRecord(total if self.stage == p - 1 else None, timeline, peak)  # the last piece is on rank p-1
@@ -408,7 +432,8 @@ class _Receives:
             kind, chunk, mb = stream[self.next_post[q]]
             sender_piece = chunk * pipe.num_stages + pipe.stage + (1 if kind == "B" else -1)
             buffer = pipe.chunks[chunk].boundary_buffer(*self.shape)  # (b, S, D)
-            handle = comm.irecv(buffer, pipe.ranks[q], pipe.group, label=pipe._label(kind, mb, sender_piece))
+            with _trace.tagged(**pipe._tags(kind, mb, sender_piece)):
+                handle = comm.irecv(buffer, pipe.ranks[q], pipe.group, label=pipe._label(kind, mb, sender_piece))
             self.posted[kind, chunk, mb] = (handle, buffer)
             self.next_post[q] += 1
 

@@ -127,22 +127,50 @@ def zero_bubble_h1(num_stages: int, microbatches: int) -> Schedule:
     return out
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zero_bubble_h1}
+# -- one schedule, one entry: what the runtime, the cost model, the reports, the CLI and figures read ----
+class ScheduleEntry(NamedTuple):
+    name: str
+    table: Callable[..., Schedule]  # (p, m) -> every rank's actions; (p, m, v) with chunks
+    bubble: Callable[[int, int, int], float]  # (p, m, v) -> idle share of a step with equal stages
+    bubble_words: str  # the same, as the reports print it
+    peak_in_flight: Callable[[int, int, int, int], int]  # (p, m, stage, v) -> activation sets held at once
+    chunks: bool  # takes virtual_stages v >= 2
+
+
+def _zb_bubble(p: int, m: int, v: int) -> float:
+    idle = p - 1 + max(p - m, 0)  # with m < p every stage also waits p - m more slots
+    return idle / (3 * m + idle)
+
+
+SCHEDULES: dict[str, ScheduleEntry] = {e.name: e for e in (
+    ScheduleEntry("gpipe", gpipe, lambda p, m, v: (p - 1) / (m + p - 1), "(p-1)/(m+p-1)",
+                  lambda p, m, s, v: m, False),
+    ScheduleEntry("1f1b", one_f_one_b, lambda p, m, v: (p - 1) / (m + p - 1), "(p-1)/(m+p-1)",
+                  lambda p, m, s, v: min(p - s, m), False),
+    ScheduleEntry("interleaved", interleaved_1f1b, lambda p, m, v: (p - 1) / (v * m + p - 1), "(p-1)/(v·m+p-1)",
+                  lambda p, m, s, v: min(2 * (p - s - 1) + (v - 1) * p + 1, v * m), True),
+    ScheduleEntry("zb", zero_bubble_h1, _zb_bubble, "(p-1)/(3m+p-1) with F=B=W",
+                  lambda p, m, s, v: min(p, m), False),
+)}
+
+
+def schedule_entry(name: str) -> ScheduleEntry:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
 
 
 def make_schedule(name: str, num_stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The table of schedule ``name``; ``virtual_stages`` (chunks per rank) only for "interleaved"."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
+    entry = schedule_entry(name)
+    if entry.chunks:
         if not isinstance(virtual_stages, int) or virtual_stages < 2:
             raise ValueError(f"interleaved 1F1B needs virtual_stages >= 2 (chunks per rank), got {virtual_stages!r}")
-        return interleaved_1f1b(num_stages, microbatches, virtual_stages)
+        return entry.table(num_stages, microbatches, virtual_stages)
     if virtual_stages != 1:
         raise ValueError(f"virtual_stages={virtual_stages} is for the interleaved schedule; {name!r} runs one "
                          "chunk per rank (virtual_stages=1)")
-    return SCHEDULES[name](num_stages, microbatches)
+    return entry.table(num_stages, microbatches)
 
 
 def chunks_of(actions: Sequence[Action]) -> int:

@@ -1,7 +1,7 @@
 """The one-process runs every strategy is held to, and how far apart two sets of parameters are.
 
 * ``full_batch``: the whole model trained on one process with the whole global batch, the oracle
-  of every fp32 run (``minitp.models.train_reference`` does the training).
+  of every fp32 run (``minitp.models.train.train_reference`` does the training).
 * ``microbatched``: one process with the global batch cut into as many slices as there are
   data-parallel ranks, for bf16 runs, whose recipe rounds the averaged gradient.
 * ``swiglu``: the plain SwiGLU MLP alone, the oracle of the tensor-parallel MLP run.
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from minitp.models import TrainConfig, build_model, loss_fn, make_optimizer, synthetic_batches, train_reference
+from minitp.models import build_model, loss_fn
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
 
 
 def max_abs_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:

@@ -17,8 +17,11 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from minitp.layout import AXES
+from minitp.pp_schedules import SCHEDULES
+
 PARAM_TOLERANCE = 1e-5  # fp32: max |parameter - reference| allowed after training
-DIMS = ("tp", "pp", "dp")  # the order the 3D byte table prints
+PRINTED = tuple(reversed(AXES))  # ("tp", "pp", "dp"): the order the 3D byte table prints
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Report:
     comm_bytes_expected_by_dim: list[dict[str, float]] = field(default_factory=list)
     predicted_step_s: float | None = None  # the time model on this machine's calibration (None: none stored)
     details: dict[str, Any] = field(default_factory=dict)  # what only this strategy reports
-    results: Any = field(default=None, repr=False, compare=False)  # minitp.launch.Results, with traces
+    results: Any = field(default=None, repr=False, compare=False)  # minitp.launcher.Results, with traces
 
     # -- reading --------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
@@ -152,9 +155,6 @@ def check(report: Report | dict, tolerance: float | None = None) -> list[str]:
     return problems
 
 
-# the ideal bubble of each pipeline schedule (minitp.cost.pp_bubble_fraction), as the report prints it
-_BUBBLE_FORMULA = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v·m+p-1)",
-                   "zb": "(p-1)/(3m+p-1) with F=B=W"}
 
 
 def format_report(report: Report | dict) -> str:
@@ -186,8 +186,8 @@ def format_report(report: Report | dict) -> str:
                   + ", ".join(f"{p:,}" for p in report["gathered_peak"])
                   + f"  (formula {report['gathered_peak_expected'][0]:,})"]
     if report.comm_bytes_expected_by_dim:  # the bytes split by mesh dimension
-        extra = sorted({d for e in report.comm_bytes_expected_by_dim for d in e} - set(DIMS))  # e.g. "ep"
-        dims = [*DIMS, *extra]
+        extra = sorted({d for e in report.comm_bytes_expected_by_dim for d in e} - set(PRINTED))  # e.g. "ep"
+        dims = [*PRINTED, *extra]
         lines += ["", f"{'rank':>4}  {'(dp,pp,tp)':>10}  "
                       + "  ".join(f"{dim + ' traced':>12}  {dim + ' formula':>12}" for dim in dims)]
         for r, (t, e) in enumerate(zip(report.comm_bytes_traced_by_dim, report.comm_bytes_expected_by_dim)):
@@ -197,7 +197,7 @@ def format_report(report: Report | dict) -> str:
     if "bubble_fraction_measured" in report:
         lines += ["", f"schedule {report['schedule']}, {report['microbatches']} micro-batches; "
                       f"bubble (idle share of the step) measured {report['bubble_fraction_measured']:.3f}, "
-                      f"expected {_BUBBLE_FORMULA.get(report.get('schedule'), '(p-1)/(m+p-1)')} = "
+                      f"expected {SCHEDULES.get(report.get('schedule'), SCHEDULES['1f1b']).bubble_words} = "
                       f"{report['bubble_fraction_expected']:.3f}; per rank "
                   + ", ".join(f"{b:.3f}" for b in report["bubble_fraction_measured_per_rank"])]
         if "bubble_fraction_compute_only" in report:  # where the excess over the formula comes from

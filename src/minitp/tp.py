@@ -11,7 +11,7 @@ A linear layer y = x Wᵀ (W: (out, in)) splits two ways:
 
 Column then row (Megatron-LM's pairing) makes an MLP or an attention layer cost one all-reduce
 forward (g, after the row layer) and one backward (f, at the input: each rank's column slice gives
-only a partial gradient of the input). f and g are autograd functions in ``minitp.comm``, so autograd
+only a partial gradient of the input). f and g are autograd functions in ``minitp.regions``, so autograd
 sends the backward messages itself and every one of them is traced.
 
 **Sequence parallel.** Between regions (norms, residual adds) the activations are replicated: every
@@ -21,14 +21,11 @@ positions) and f becomes an all-gather. The same bytes (an all-reduce is a reduc
 all-gather), but norms and residuals hold 1/tp of the activations. Layout: the residual stream is
 (B, S/tp, D) on every rank from the embedding to the final norm; attention and the MLP see (B, S, D).
 
-Refusals (clear errors, nothing silent): a vocabulary not divisible by tp is refused, not padded
-(padding would change the parameter count and the logits the one-process model is checked
-against); grouped-query attention with fewer key/value heads than ranks is refused, not replicated
-(replicated heads would need their gradients summed over the ranks that share them).
-
-Top to bottom: the region entry/exit ops, ColumnParallelLinear, RowParallelLinear,
-ParallelFeedForward, ParallelAttention, VocabParallelEmbedding, vocab_parallel_cross_entropy,
-SequenceParallelRMSNorm, parallelize, local_shards / unshard, generate.
+Refused, not padded or replicated: a vocabulary tp does not divide (padding would change the logits
+the one-process model is checked against), fewer key/value heads than ranks (shared heads would need
+their gradients summed). Reading order: the region entry/exit, ColumnParallelLinear,
+RowParallelLinear, ParallelFeedForward, ParallelAttention (the textbook core); then the vocabulary,
+sequence-parallel norms, parallelize, split_dims / local_shards / unshard, generate (the extras).
 """
 
 from __future__ import annotations
@@ -38,7 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minitp import comm
+from minitp import comm, regions
+from minitp import trace as _trace
 from minitp.layout import KV_HEADS_WHY, check_divisible, check_tp_config, check_vocab, shard_range
 from minitp.models.llama import Attention, FeedForward, KVCache, RMSNorm, Transformer, rms_norm
 from minitp.models.llama import generate as _generate
@@ -59,8 +57,8 @@ def enter_parallel_region(x: torch.Tensor, tp_group, sequence_parallel: bool = F
     Sequence parallel: x comes as (B, S/tp, D); all-gather the positions (backward: reduce-scatter).
     """
     if sequence_parallel:
-        return comm.gather_from_sequence_parallel(x, tp_group, dim=1, label=label)  # (B, S/tp, D) → (B, S, D)
-    return comm.copy_to_parallel(x, tp_group, label=label)
+        return regions.gather_from_sequence_parallel(x, tp_group, dim=1, label=label)  # (B, S/tp, D) → (B, S, D)
+    return regions.copy_to_parallel(x, tp_group, label=label)
 
 
 def leave_parallel_region(x: torch.Tensor, tp_group, sequence_parallel: bool = False,
@@ -75,8 +73,8 @@ def leave_parallel_region(x: torch.Tensor, tp_group, sequence_parallel: bool = F
         if x.shape[1] % tp:
             raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={tp}: sequence "
                              f"parallel gives each rank S/tp positions")
-        return comm.reduce_scatter_to_sequence_parallel(x, tp_group, dim=1, label=label)  # → (B, S/tp, D)
-    return comm.reduce_from_parallel(x, tp_group, label=label)
+        return regions.reduce_scatter_to_sequence_parallel(x, tp_group, dim=1, label=label)  # → (B, S/tp, D)
+    return regions.reduce_from_parallel(x, tp_group, label=label)
 
 
 # -- the two splits of a linear layer -----------------------------------------------------------------
@@ -113,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
             x = enter_parallel_region(x, self.tp_group, self.sequence_parallel, self.label)
         y = F.linear(x, self.weight, self.bias)  # x: (..., in) the same on every rank → (..., out/tp)
         if self.gather_output:
-            y = comm.gather_from_parallel(y, self.tp_group, dim=-1, label=self.label)  # → (..., out)
+            y = regions.gather_from_parallel(y, self.tp_group, dim=-1, label=self.label)  # → (..., out)
         return y
 
     def extra_repr(self) -> str:
@@ -151,13 +149,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = comm.split_to_parallel(x, self.tp_group, dim=-1, label=self.label)  # (..., in) → (..., in/tp)
+            x = regions.split_to_parallel(x, self.tp_group, dim=-1, label=self.label)  # (..., in) → (..., in/tp)
         y = F.linear(x, self.weight)  # (..., in/tp) → (..., out): this rank's partial sum
         y = leave_parallel_region(y, self.tp_group, self.sequence_parallel, self.label)  # summed
         if self.bias is not None:
             bias = self.bias
             if self.sequence_parallel:  # the bias meets only this rank's S/tp positions: f sums its gradient
-                bias = comm.copy_to_parallel(bias, self.tp_group, label=self.label + "/bias")
+                bias = regions.copy_to_parallel(bias, self.tp_group, label=self.label + "/bias")
             y = y + bias
         return y
 
@@ -211,9 +209,10 @@ class ParallelAttention(Attention):
         self.wv = ColumnParallelLinear(attention.wv, tp_group, enter=False, label=label)
         self.wo = RowParallelLinear(attention.wo, tp_group, sequence_parallel=sequence_parallel, label=label)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                attend=None):
         x = enter_parallel_region(x, self.tp_group, self.sequence_parallel, self.label)  # (B, S, D) everywhere
-        return super().forward(x, cos, sin, cache)  # this rank's heads; wo sums over ranks
+        return super().forward(x, cos, sin, cache, attend)  # this rank's heads; wo sums over ranks
 
 
 # -- the vocabulary ------------------------------------------------------------------------------------
@@ -257,14 +256,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits: (N, V/tp) this rank's slice of the vocabulary; targets: (N,) replicated
         v_local = logits.shape[-1]
         max_logit = logits.max(dim=-1).values  # (N,): a shift for a stable exp
-        comm.all_reduce(max_logit, tp_group, op=comm.ReduceOp.MAX, label=label + "/max")
+        with _trace.tagged(phase="forward"):
+            comm.all_reduce(max_logit, tp_group, op=comm.ReduceOp.MAX, label=label + "/max")
         shifted = logits - max_logit[:, None]
         local = targets - comm.group_rank(tp_group) * v_local
         mine = (local >= 0) & (local < v_local)  # the targets this rank's vocabulary holds
         local = local.clamp(0, v_local - 1)
         target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
         sums = torch.stack([shifted.exp().sum(dim=-1), target_logit])  # (2, N): over this rank's tokens
-        comm.all_reduce(sums, tp_group, label=label)  # one message for both: over the whole vocabulary
+        with _trace.tagged(phase="forward"):
+            comm.all_reduce(sums, tp_group, label=label)  # one message for both: over the whole vocabulary
         log_sum_exp = sums[0].log()
         ctx.save_for_backward(shifted, log_sum_exp, local, mine)
         return (log_sum_exp - sums[1]).mean()
@@ -306,8 +307,11 @@ class SequenceParallelRMSNorm(nn.Module):
         self.weight = nn.Parameter(norm.weight.detach().clone())  # (D,) replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = comm.copy_to_parallel(self.weight, self.tp_group, label=self.label + "/weight")
+        weight = regions.copy_to_parallel(self.weight, self.tp_group, label=self.label + "/weight")
         return rms_norm(x, weight, self.eps)  # x: (B, S/tp, D)
+
+
+SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)  # they declare split_dims
 
 
 # -- a whole model ------------------------------------------------------------------------------------
@@ -337,16 +341,21 @@ def parallelize(model: Transformer, tp_group: dist.ProcessGroup | None,
     return model
 
 
+def split_dims(module: nn.Module) -> dict[str, int | None]:
+    """{parameter name: the dim tensor parallel split it along, or None where it is replicated}, from
+    the ``split_dims`` each parallel layer declares."""
+    return {f"{m}.{n}" if m else n: sub.split_dims.get(n) if isinstance(sub, SPLIT_LAYERS) else None
+            for m, sub in module.named_modules() for n, _ in sub.named_parameters(recurse=False)}
+
+
 def local_shards(module: nn.Module, grads: bool = False) -> dict[str, tuple[torch.Tensor | None, int | None]]:
     """This rank's piece of every parameter (or of its gradient), by the plain model's name, with the
     dimension it is split along (None: replicated, every rank holds all of it)."""
+    dims = split_dims(module)
     out = {}
-    for module_name, sub in module.named_modules():
-        split_dims = getattr(sub, "split_dims", {})
-        for name, p in sub.named_parameters(recurse=False):
-            t = p.grad if grads else p
-            out[f"{module_name}.{name}" if module_name else name] = (
-                None if t is None else t.detach().clone(), split_dims.get(name))
+    for name, p in module.named_parameters():
+        t = p.grad if grads else p
+        out[name] = (None if t is None else t.detach().clone(), dims[name])
     return out
 
 
@@ -377,7 +386,7 @@ def generate(model: Transformer, prompt: torch.Tensor, new_tokens: int,
         best, index = logits[:, -1].double().max(dim=-1)  # (B,) over this rank's V/tp tokens
         token = index + rank * logits.shape[-1]
         pairs = torch.stack([best, token.double()], dim=-1)[:, None]  # (B, 1, 2); float64 holds any token id
-        pairs = comm.gather_from_parallel(pairs, tp_group, dim=1, label="tp/generate/argmax")  # (B, tp, 2)
+        pairs = regions.gather_from_parallel(pairs, tp_group, dim=1, label="tp/generate/argmax")  # (B, tp, 2)
         winner = pairs[..., 0].argmax(dim=1)  # the first largest: the lowest rank, so the lowest token
         return pairs[torch.arange(len(pairs)), winner, 1].long()[:, None]  # (B, 1)
 

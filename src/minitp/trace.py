@@ -9,6 +9,14 @@ Each message also knows the mesh dimension it went through (``Event.dim``: "dp",
 "pp"; "" for a group nobody named), taken from its process group (``minitp.comm.name_group``),
 so traffic is split by dimension with ``totals(events, by=("dim",))`` or ``sent_bytes_by_dim``.
 
+Where in the run an event happened is kept in fields, set by the code that sent it, never read back
+from the label (a label is text for people): ``phase`` ("forward", "backward", ...), ``microbatch``
+and ``chunk`` (a pipeline's), ``unit`` (an FSDP unit), ``step`` (a training step), ``ring_step``
+(a step round a ring) and ``scopes`` (the names of the ``scope`` blocks open, outermost first).
+The library sets them with ``tagged``: ``with trace.tagged(unit="layers.1", phase="forward"): ...``
+stamps every event recorded inside (messages and compute spans; nested blocks add up, the inner
+one wins).
+
 Two byte counts are kept per message (see ``minitp.cost`` for the formulas):
 
 * ``bytes``: the size of the logical buffer of the operation, ``numel * itemsize`` of the tensor
@@ -20,7 +28,8 @@ Two byte counts are kept per message (see ``minitp.cost`` for the formulas):
   chain broadcast bytes for every rank but the last of the chain, all-to-all bytes less the chunk
   addressed to itself, send bytes, recv 0). Headers,
   retransmits and the backend's own choice of algorithm are not counted: it is a model of the
-  payload, computed from the recorded call, the same model ``minitp.cost`` uses for a strategy.
+  payload, computed from the recorded call (``collective_sent_bytes``, below), the same model
+  ``minitp.cost`` uses for a strategy.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 
 @dataclass
@@ -49,6 +58,14 @@ class Event:
     dtype: str = ""
     bytes: int = 0
     sent_bytes: float = 0.0
+    # where in the run it happened (set with ``tagged`` by the code that sent it; see the top)
+    phase: str = ""  # "forward", "backward", "weight", "step", "init", "state_dict", ...; "" if not said
+    microbatch: int | None = None  # a pipeline's micro-batch
+    chunk: int | None = None  # a pipeline's model chunk on its rank (``Action.chunk``); a message: the sender's
+    unit: str = ""  # an FSDP unit ("root", "layers.1")
+    step: int | None = None  # a training step
+    ring_step: int | None = None  # a step round a ring (ring attention: whose block is held)
+    scopes: tuple[str, ...] = ()  # the ``scope`` blocks open when it was recorded, outermost first
 
     @property
     def duration(self) -> float:
@@ -56,6 +73,21 @@ class Event:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def within(self, *names: str) -> bool:
+        """Recorded inside the nested scopes ``names``, the outermost first and at the top:
+        ``e.within("answer")``, ``e.within("answer", "step0")``."""
+        return tuple(self.scopes[:len(names)]) == names
+
+    def labelled(self, prefix: str) -> bool:
+        """Its label starts with ``prefix``: how a person picks events by the text they read (a
+        figure's ``label_prefix``). Code that needs the structure reads the fields instead."""
+        return self.label.startswith(prefix)
+
+
+# The fields ``tagged`` sets, and what an event holds when nothing set them.
+TAGS = ("phase", "microbatch", "chunk", "unit", "step", "ring_step")
+_UNSET = {f.name: f.default for f in fields(Event) if f.name in (*TAGS, "scopes")}
 
 
 @dataclass
@@ -65,6 +97,7 @@ class Trace:
     rank: int = 0
     events: list[Event] = field(default_factory=list)
     _scopes: list[str] = field(default_factory=list, repr=False)
+    _tags: list[dict] = field(default_factory=list, repr=False)
 
     # -- recording ----------------------------------------------------------------------------
     def label(self, label: str) -> str:
@@ -72,14 +105,30 @@ class Trace:
         parts = [*self._scopes, label] if label else list(self._scopes)
         return "/".join(p for p in parts if p)
 
+    def tags(self) -> dict:
+        """The fields an event recorded now gets: the open scopes and the open ``tagged`` blocks'
+        fields (the inner block's value where two set one)."""
+        out = {"scopes": tuple(self._scopes)}
+        for tags in self._tags:
+            out.update(tags)
+        return out
+
+    def stamp(self, event: Event) -> Event:
+        """``event`` with the open scopes and tags in the fields it left unset (a copy when any)."""
+        missing = {name: value for name, value in self.tags().items()
+                   if value != _UNSET[name] and getattr(event, name) == _UNSET[name]}
+        return replace(event, **missing) if missing else event
+
     def add(self, event: Event) -> Event:
+        """Record ``event`` (stamped); returns the recorded event, whose end a caller may still set."""
+        event = self.stamp(event)
         self.events.append(event)
         return event
 
     @contextmanager
     def span(self, name: str, label: str = "") -> Iterator[Event]:
         """Time a piece of compute: ``with trace.span("backward", "layers.1"): ...``."""
-        event = Event(self.rank, "compute", name, self.label(label), time.perf_counter(), 0.0)
+        event = Event(self.rank, "compute", name, self.label(label), time.perf_counter(), 0.0, **self.tags())
         try:
             yield event
         finally:
@@ -90,11 +139,13 @@ class Trace:
     def comm(self) -> list[Event]:
         return [e for e in self.events if e.kind == "comm"]
 
-    def sent_bytes(self, label_prefix: str = "", dim: str | None = None) -> float:
+    def sent_bytes(self, label_prefix: str = "", dim: str | None = None, *, scope: str | None = None) -> float:
         """Bytes this rank sent (ring model), over events whose label starts with the prefix and,
-        when ``dim`` is given, that went through a group of that mesh dimension."""
+        when ``dim`` is given, that went through a group of that mesh dimension; when ``scope`` is
+        given, only those recorded inside a ``scope`` of that name (``Event.scopes``)."""
         return sum(e.sent_bytes for e in self.comm()
-                   if e.label.startswith(label_prefix) and (dim is None or e.dim == dim))
+                   if e.labelled(label_prefix) and (dim is None or e.dim == dim)
+                   and (scope is None or scope in e.scopes))
 
     def clear(self) -> None:
         self.events.clear()
@@ -122,17 +173,39 @@ def current() -> Trace | None:
 
 
 @contextmanager
-def scope(name: str) -> Iterator[None]:
-    """Prefix the labels of calls made inside the block: ``with scope("ddp"): ...``."""
+def scope(name: str, *inner: str) -> Iterator[None]:
+    """Prefix the labels of calls made inside the block: ``with scope("ddp"): ...``; events
+    recorded inside list it in ``Event.scopes``. Several names open nested scopes:
+    ``scope("answer", "step0")`` labels "answer/step0/...", scopes ("answer", "step0")."""
     trace = current()
     if trace is None:
         yield
         return
-    trace._scopes.append(name)
+    names = (name, *inner)
+    trace._scopes.extend(names)
     try:
         yield
     finally:
-        trace._scopes.pop()
+        del trace._scopes[len(trace._scopes) - len(names):]
+
+
+@contextmanager
+def tagged(**tags) -> Iterator[None]:
+    """Set fields of every event recorded inside the block (on the trace recording now):
+    ``with tagged(unit="layers.1", phase="forward"): comm.all_gather(...)``. Blocks nest; where
+    two set the same field the inner one wins. The fields: ``TAGS``."""
+    unknown = sorted(set(tags) - set(TAGS))
+    if unknown:
+        raise TypeError(f"tagged() got {', '.join(unknown)}; the fields it sets are {', '.join(TAGS)}")
+    trace = current()
+    if trace is None:
+        yield
+        return
+    trace._tags.append(tags)
+    try:
+        yield
+    finally:
+        trace._tags.pop()
 
 
 @contextmanager
@@ -144,6 +217,29 @@ def span(name: str, label: str = "") -> Iterator[Event | None]:
         return
     with trace.span(name, label) as event:
         yield event
+
+
+# -- the payload model: bytes one rank puts on the wire for one call -----------------------------------
+def collective_sent_bytes(op: str, nbytes: int, n: int, position: int = 0,
+                          kept_bytes: float | None = None) -> float:
+    """Bytes one rank sends for one call of ``op`` on a buffer of ``nbytes`` over ``n`` ranks (ring
+    algorithm). ``position``: broadcast only, the rank's place along the chain from the source (n-1,
+    the last, forwards nothing). ``kept_bytes``: all-to-all only, the bytes of this rank's input
+    addressed to itself (an even split keeps nbytes/n, the default)."""
+    if op == "all_to_all":  # every chunk but its own goes straight to its rank
+        return 0.0 if n <= 1 else float(nbytes - (nbytes / n if kept_bytes is None else kept_bytes))
+    if op == "send":
+        return float(nbytes)
+    if op == "recv" or n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    if op == "broadcast":
+        return float(nbytes) if position < n - 1 else 0.0
+    raise ValueError(f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter, "
+                     "broadcast, all_to_all, send or recv")
 
 
 # -- across ranks ---------------------------------------------------------------------------------
@@ -175,10 +271,12 @@ def totals(events: Iterable[Event], by: tuple[str, ...] = ("op",)) -> dict[tuple
     return dict(out)
 
 
-def sent_bytes_per_rank(traces: Iterable[Trace], label_prefix: str = "", dim: str | None = None) -> list[float]:
+def sent_bytes_per_rank(traces: Iterable[Trace], label_prefix: str = "", dim: str | None = None, *,
+                        scope: str | None = None) -> list[float]:
     """Bytes each rank sent, in rank order (only through groups of mesh dimension ``dim`` if given;
-    only under a label prefix if given, as the exercises do to single out the learner's answer)."""
-    return [t.sent_bytes(label_prefix, dim) for t in sorted(traces, key=lambda t: t.rank)]
+    only under a label prefix if given; only inside a ``scope`` of that name if given, as the
+    exercises do to single out the learner's answer)."""
+    return [t.sent_bytes(label_prefix, dim, scope=scope) for t in sorted(traces, key=lambda t: t.rank)]
 
 
 def sent_bytes_by_dim(traces: Iterable[Trace]) -> list[dict[str, float]]:

@@ -21,366 +21,141 @@ send / recv        B / 0
 =================  ======================  ============================================
 
 Headers and the backend's own choice of algorithm are not counted: the numbers are a model of the
-payload that a recorded call implies, so traced totals compare exactly with the formulas below.
+payload that a recorded call implies (``collective_sent_bytes``, which ``minitp.trace`` records with every
+message), so traced totals compare exactly with the formulas of the modules below.
 
 Memory is counted as the bytes a rank **holds between steps**, right after the optimizer step
 with gradients still held: parameters, gradients and optimizer state (AdamW: two fp32 moments per
 parameter, ``exp_avg`` and ``exp_avg_sq``, plus one 4-byte ``step`` counter per parameter tensor).
+
+The formulas live in six modules, each importing only those before it (at the top of the file), so
+they read in this order: ``strategies`` (DDP, FSDP, tensor and pipeline parallel, each alone)
+→ ``activations`` (what autograd keeps) → ``threed`` (a rank of the dp × pp × tp mesh) → ``context``
+(ring attention; the dp·cp·pp·tp mesh) → ``experts`` (MoE and the all-to-alls) → ``time`` (FLOPs and
+messages in seconds). Nothing here reads a file or the environment: this machine's calibration is read
+by ``minitp.calibrate`` and comes in as a ``Device``. Every public name is re-exported here.
 """
 
 from __future__ import annotations
 
-from minitp.layout import (  # noqa: F401  (check_3d_layout and num_buckets: public here too)
-    check_3d_layout,
-    check_divisible,
-    check_tp_config,
-    num_buckets,
-    padded_numel,
-    stage_num_blocks,
+from minitp.cost.activations import (
+    activation_bytes_per_rank,
+    attention_weight_shapes,
+    block_activation_bytes,
+    kv_cache_bytes,
+    recompute_mode,
+    tiny_block_activation_bytes,
 )
+from minitp.cost.context import (
+    cp3d_step_bytes,
+    cp_activation_bytes_per_rank,
+    cp_attention_bytes,
+    cp_attention_flops_per_rank,
+    cp_kv_block_bytes,
+    cp_memory_per_rank,
+    cp_mesh_step_bytes,
+    cp_run_bytes,
+    cp_step_bytes,
+    ulysses_attention_bytes,
+)
+from minitp.cost.experts import (
+    COUNT_BYTES,
+    active_params,
+    check_ep,
+    ep3d_run_bytes,
+    ep_layer_bytes,
+    ep_memory_per_rank,
+    ep_mesh_memory_per_rank,
+    ep_mesh_step_bytes,
+    ep_params_per_rank,
+    ep_run_bytes,
+    ep_stage_unit_numels,
+    moe_activation_bytes_per_rank,
+    moe_all_to_all_bytes,
+    moe_block_activation_bytes,
+    moe_param_split,
+    tokens_between_ranks,
+)
+from minitp.cost.strategies import (
+    DTYPE_BYTES,
+    ddp_run_bytes,
+    ddp_step_bytes,
+    fsdp_gathered_peak_bytes,
+    fsdp_memory_per_rank,
+    fsdp_run_bytes,
+    fsdp_step_bytes,
+    memory_per_rank,
+    pp_bubble_fraction,
+    pp_memory_per_rank,
+    pp_peak_microbatches_in_flight,
+    pp_run_bytes,
+    pp_stage_params,
+    pp_step_bytes,
+    total_memory,
+    tp_block_bytes,
+    tp_memory_per_rank,
+    tp_mlp_bytes,
+    tp_mlp_params_per_rank,
+    tp_params_per_rank,
+    tp_region_bytes,
+)
+from minitp.cost.threed import (
+    rank_num_blocks,
+    stage_num_tensors,
+    stage_unit_numels,
+    threed_memory_per_rank,
+    threed_params_per_rank,
+    threed_step_bytes,
+    tp_run_bytes,
+    tp_step_bytes,
+)
+from minitp.cost.time import (
+    A100,
+    DEVICES,
+    H100,
+    Device,
+    Link,
+    StepTime,
+    arithmetic_intensity,
+    collective_time,
+    compute_time,
+    device_from_calibration,
+    links_of_layout,
+    overlap_budget_bytes,
+    recompute_flops_per_token,
+    step_time,
+    training_flops_per_token,
+)
+from minitp.grid import check_3d_layout  # reached as cost.X too
+from minitp.layout import num_buckets, padded_numel, stage_num_blocks
+from minitp.trace import collective_sent_bytes  # the payload model, recorded with every message
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-
-
-def collective_sent_bytes(op: str, nbytes: int, n: int, position: int = 0,
-                          kept_bytes: float | None = None) -> float:
-    """Bytes one rank sends for one call of ``op`` on a buffer of ``nbytes`` over ``n`` ranks.
-
-    ``position`` is only used by broadcast: the rank's place along the chain that starts at the
-    source (0 for the source, n-1 for the last rank, which forwards nothing).
-    ``kept_bytes`` is only used by all-to-all: the bytes of this rank's input that are addressed to
-    itself and never leave it (an even split keeps B/n, the default).
-    """
-    if op == "all_to_all":  # every chunk but its own goes straight to its rank
-        return 0.0 if n <= 1 else float(nbytes - (nbytes / n if kept_bytes is None else kept_bytes))
-    if op == "send":
-        return float(nbytes)
-    if op == "recv" or n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if op == "broadcast":
-        return float(nbytes) if position < n - 1 else 0.0
-    raise ValueError(f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter, "
-                     "broadcast, all_to_all, send or recv")
-
-
-# -- data parallel ---------------------------------------------------------------------------------
-def ddp_step_bytes(num_params: int, world_size: int, grad_bytes: int = 4) -> float:
-    """Bytes each rank sends in one DDP step: one all-reduce of every gradient, 2(n-1)/n · Ψ·b."""
-    return collective_sent_bytes("all_reduce", num_params * grad_bytes, world_size)
-
-
-def ddp_run_bytes(num_params: int, world_size: int, steps: int, rank: int,
-                  param_bytes: int = 4, grad_bytes: int = 4, broadcast_at_init: bool = True) -> float:
-    """Bytes ``rank`` sends over a DDP run: the start-up broadcast of the parameters from rank 0
-    (a chain: every rank but the last forwards Ψ·b), then ``steps`` gradient all-reduces.
-
-    Steps inside ``no_sync`` send nothing; count only the steps that synchronise.
-    """
-    total = steps * ddp_step_bytes(num_params, world_size, grad_bytes)
-    if broadcast_at_init:
-        total += collective_sent_bytes("broadcast", num_params * param_bytes, world_size, position=rank)
-    return total
-
-
-# -- memory ----------------------------------------------------------------------------------------
-def memory_per_rank(num_params: int, world_size: int = 1, zero: int = 0, precision: str = "fp32",
-                    num_tensors: int = 0) -> dict[str, float]:
-    """Bytes one rank holds in parameters, gradients and AdamW state, per ZeRO stage.
-
-    ``zero=0`` is plain data parallel (every rank holds everything); 1 shards the optimizer state,
-    2 the gradients too, 3 the parameters too. ``precision="fp32"``: 4-byte parameters and
-    gradients, 8 bytes of moments. ``"bf16"`` (mixed precision): 2-byte parameters and gradients,
-    and an fp32 master copy next to the moments, 12 bytes of optimizer state: 16Ψ in all, the
-    ZeRO paper's 2Ψ + 2Ψ + 12Ψ. ``num_tensors`` adds AdamW's 4-byte step counter per optimizer
-    tensor (pass how many tensors the optimizer holds on this rank; 0 to leave them out).
-    """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if precision == "fp32":
-        p, g, o = 4, 4, 8
-    elif precision in ("bf16", "fp16"):
-        p, g, o = 2, 2, 12
-    else:
-        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
-    n = world_size
-    params = num_params * p / (n if zero >= 3 else 1)
-    grads = num_params * g / (n if zero >= 2 else 1)
-    optimizer = num_params * o / (n if zero >= 1 else 1) + 4 * num_tensors
-    return {"params": params, "grads": grads, "optimizer": optimizer}
-
-
-def total_memory(memory: dict[str, float]) -> float:
-    return memory["params"] + memory["grads"] + memory["optimizer"]
-
-
-# -- fully sharded data parallel (ZeRO) -------------------------------------------------------------
-# A model is cut into units (minitp.fsdp); unit u has p_u parameters, laid out flat and padded with
-# zeros to P_u = ceil(p_u / n) * n, so that each of the n ranks holds an equal shard of P_u / n.
-# Every formula below counts the padded sizes: Ψ_pad = Σ_u P_u (equal to Ψ when n divides every p_u).
-# Per step, with b_p the bytes of a gathered parameter (4 fp32, 2 bf16) and b_r of a reduced
-# gradient (4: minitp always sums gradients over ranks in fp32), each rank sends:
-#
-#   ZeRO-1  reduce-scatter of each unit's gradient after backward, optimizer step on the shard, all-gather
-#           of the updated shard:   Σ_u (n-1)/n · P_u · (b_r + b_p)    (= DDP's all-reduce when b_r = b_p)
-#   ZeRO-2  the same messages; the reduce-scatters go out during backward and free the full gradient
-#   ZeRO-3  all-gather in forward, again in backward if the unit was resharded after forward (never the
-#           root, with which backward starts), reduce-scatter in backward:
-#           Σ_u (n-1)/n · P_u · (g_u · b_p + b_r),  g_u = 2 for a resharded unit, else 1  (1.5x DDP)
-
-
-def fsdp_step_bytes(unit_numels: list[int], world_size: int, zero: int = 3, reshard_after_forward: bool = True,
-                    param_bytes: int = 4, reduce_bytes: int = 4, root: bool = True) -> float:
-    """Bytes each rank sends in one training step of ZeRO stage ``zero`` (see the table above).
-
-    unit_numels: parameters of each unit, unpadded (``minitp.fsdp.unit_numels``); with ``root``
-    the first is the root unit, which ZeRO-3 gathers once per step, never resharded after forward.
-    """
-    if zero not in (1, 2, 3):
-        raise ValueError(f"zero must be 1, 2 or 3, got {zero}")
-    n, total = world_size, 0.0
-    for i, numel in enumerate(unit_numels):
-        nbytes = padded_numel(numel, n)
-        if zero < 3:
-            gathers = 1  # after the optimizer step
-        else:
-            gathers = 2 if reshard_after_forward and not (root and i == 0) else 1
-        total += gathers * collective_sent_bytes("all_gather", nbytes * param_bytes, n)
-        total += collective_sent_bytes("reduce_scatter", nbytes * reduce_bytes, n)
-    return total
-
-
-def fsdp_run_bytes(unit_numels: list[int], world_size: int, steps: int, zero: int = 3,
-                   reshard_after_forward: bool = True, param_bytes: int = 4, reduce_bytes: int = 4,
-                   root: bool = True, state_dict: bool = True) -> float:
-    """Bytes each rank sends over a run: ``steps`` steps, then (``state_dict``) one all-gather of
-    every fp32 master shard to assemble the full state dict. Nothing is sent at start-up: every
-    rank builds the same model and keeps its slices."""
-    total = steps * fsdp_step_bytes(unit_numels, world_size, zero, reshard_after_forward,
-                                    param_bytes, reduce_bytes, root)
-    if state_dict:
-        total += sum(collective_sent_bytes("all_gather", padded_numel(p, world_size) * 4, world_size)
-                     for p in unit_numels)
-    return total
-
-
-def fsdp_memory_per_rank(unit_numels: list[int], world_size: int, zero: int = 3,
-                         precision: str = "fp32") -> dict[str, float]:
-    """``memory_per_rank`` for minitp.fsdp: Ψ is the padded Ψ_pad (full buffers are padded too),
-    and the optimizer holds one flat shard per unit, so one AdamW step counter per unit.
-    With Adam, per rank: fp32  ZeRO-1 8Ψ + 8Ψ/n,  ZeRO-2 4Ψ + 12Ψ/n,  ZeRO-3 16Ψ/n;
-    bf16 mixed precision  ZeRO-1 4Ψ + 12Ψ/n,  ZeRO-2 2Ψ + 14Ψ/n,  ZeRO-3 16Ψ/n."""
-    psi = sum(padded_numel(p, world_size) for p in unit_numels)
-    return memory_per_rank(psi, world_size, zero=zero, precision=precision, num_tensors=len(unit_numels))
-
-
-def fsdp_gathered_peak_bytes(unit_numels: list[int], world_size: int, zero: int = 3,
-                             reshard_after_forward: bool = True, prefetch: bool = True,
-                             param_bytes: int = 4, root: bool = True) -> int:
-    """The most bytes of full (unsharded) parameters a rank holds at once during a step.
-
-    ZeRO-1/2 hold every unit whole all the time. ZeRO-3 without resharding ends forward with every
-    unit gathered. With resharding: the root (gathered through forward and backward) plus one unit
-    being computed, plus, with prefetch, the next one being gathered.
-    """
-    full = [padded_numel(p, world_size) * param_bytes for p in unit_numels]
-    if zero < 3 or not reshard_after_forward:
-        return sum(full)
-    base, blocks = (full[0], full[1:]) if root else (0, full)
-    if not blocks:
-        return base
-    if prefetch and len(blocks) > 1:
-        return base + max(a + b for a, b in zip(blocks, blocks[1:]))
-    return base + max(blocks)
-
-
-# -- tensor parallel ----------------------------------------------------------------------------------
-# A = B·S·D·b: the bytes of one activation of the residual stream (batch B, sequence S, model dim D,
-# b bytes per element). Each rank sends, per training step (forward and backward):
-#
-#   piece        plain tensor parallel                  sequence parallel
-#   MLP          2 all-reduces of A: g after w2 (fwd),  2 reduce-scatters + 2 all-gathers of A
-#                f at the input (bwd)
-#   attention    the same as the MLP                    the same as the MLP
-#   block        4 all-reduces of A                     4 RS + 4 AG of A, + 2 all-reduces of D·b
-#                                                       (the norm weights' partial gradients)
-#   full recompute  + 2 all-reduces of A (forward again)  + 2 AG + 2 RS of A
-#   embedding    1 all-reduce of A (fwd)                1 RS (fwd) + 1 AG (bwd)
-#   output       1 all-reduce of A (f, bwd)             1 AG (fwd) + 1 RS (bwd), + D·b for the final norm
-#   loss         all-reduces of B·S·4 (max) and 2·B·S·4 (sum of exps, target logit), fp32 either way
-#
-# A reduce-scatter plus an all-gather sends what an all-reduce sends: sequence parallel costs the
-# same bytes (plus the tiny norm gradients) and holds 1/tp of the activations between regions.
-# Parameters: every matrix is split over the ranks; the RMSNorm weights are replicated.
-
-def tp_region_bytes(batch: int, seq: int, dim: int, tp: int, sequence_parallel: bool = False,
-                    dtype_bytes: int = 4) -> float:
-    """Bytes each rank sends for one forward and backward of one tensor-parallel MLP or attention:
-    2 all-reduces of the (B, S, D) activation (or a reduce-scatter and an all-gather in each
-    direction under sequence parallel, the same bytes)."""
-    a = batch * seq * dim * dtype_bytes
-    if sequence_parallel:
-        return 2 * (collective_sent_bytes("all_gather", a, tp) + collective_sent_bytes("reduce_scatter", a, tp))
-    return 2 * collective_sent_bytes("all_reduce", a, tp)
-
-
-def tp_mlp_bytes(batch: int, seq: int, dim: int, tp: int, dtype_bytes: int = 4) -> float:
-    """One step of the tensor-parallel SwiGLU MLP alone: g's all-reduce forward, f's backward."""
-    return tp_region_bytes(batch, seq, dim, tp, False, dtype_bytes)
-
-
-def tp_block_bytes(batch: int, seq: int, dim: int, tp: int, sequence_parallel: bool = False,
-                   dtype_bytes: int = 4, recompute: bool | str = False) -> float:
-    """One step of one transformer block: attention and MLP, each 2 all-reduces of B·S·D·b; under
-    sequence parallel also the all-reduce of each norm weight's gradient (D·b, twice).
-
-    recompute: with full recomputation ("full" or True) backward runs the block's forward again, and
-    with it forward's collectives (g's all-reduce after attention and after the MLP, or their
-    all-gather and reduce-scatter under sequence parallel): 6 per block instead of 4. Selective
-    recomputation re-does only attention's scores inside each rank's heads: no extra messages."""
-    total = 2 * tp_region_bytes(batch, seq, dim, tp, sequence_parallel, dtype_bytes)
-    if recompute in (True, "full"):  # forward's half again
-        total += tp_region_bytes(batch, seq, dim, tp, sequence_parallel, dtype_bytes)
-    if sequence_parallel:
-        total += 2 * collective_sent_bytes("all_reduce", dim * dtype_bytes, tp)
-    return total
-
-
-def tp_step_bytes(cfg, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
-                  dtype_bytes: int = 4) -> float:
-    """One training step of the whole model (``cfg``: a ``ModelConfig``) under tensor parallel:
-    the blocks, the vocab-parallel embedding and output layer, and the vocab-parallel loss. The
-    3D formula's tp part with one stage that is first and last (``threed_step_bytes``)."""
-    from minitp.cost.threed import threed_step_bytes
-
-    return threed_step_bytes(cfg, batch, seq, 1, tp, 1, 0, activation_bytes=dtype_bytes,
-                             sequence_parallel=sequence_parallel)["tp"]
-
-
-def tp_run_bytes(cfg, batch: int, seq: int, tp: int, steps: int, sequence_parallel: bool = False,
-                 dtype_bytes: int = 4) -> float:
-    """Bytes each rank sends over ``steps`` training steps (no start-up messages: every rank builds
-    the same model from the same seed and keeps its slices)."""
-    return steps * tp_step_bytes(cfg, batch, seq, tp, sequence_parallel, dtype_bytes)
-
-
-def tp_params_per_rank(cfg, tp: int) -> int:
-    """Parameters one rank holds: every matrix / tp, plus the replicated RMSNorm weights
-    (2 per block and the final one, D each)."""
-    check_tp_config(cfg, tp)
-    replicated = (2 * cfg.n_layers + 1) * cfg.dim
-    return (cfg.num_params() - replicated) // tp + replicated
-
-
-def tp_memory_per_rank(cfg, tp: int, precision: str = "fp32", num_tensors: int = 0) -> dict[str, float]:
-    """Bytes one rank holds in parameters, gradients and AdamW state under tensor parallel: what
-    ``memory_per_rank`` gives for this rank's own parameter count (nothing else is sharded)."""
-    return memory_per_rank(tp_params_per_rank(cfg, tp), 1, zero=0, precision=precision, num_tensors=num_tensors)
-
-
-def tp_mlp_params_per_rank(dim: int, hidden: int, tp: int) -> int:
-    """Parameters one rank holds of a tensor-parallel SwiGLU MLP: w1, w3 (D·F/tp each), w2 (F/tp·D)."""
-    check_divisible("hidden", hidden, "tp", tp)
-    return 3 * dim * hidden // tp
-
-
-# -- pipeline parallel --------------------------------------------------------------------------------
-# p stages, the global batch B cut into m micro-batches of b = B/m sequences. A = b·S·D·bytes: one
-# micro-batch's activation where two stages meet. Per step, every boundary carries m activations
-# forward and m gradients (the same shape) backward, so each rank sends:
-#
-#   first stage    m·A forward                    = B·S·D·bytes
-#   middle stage   m·A forward + m·A backward     = 2·B·S·D·bytes
-#   last stage     m·A backward                   = B·S·D·bytes
-#
-# independent of m and of the schedule (GPipe or 1F1B only reorder the messages). Parameters: each
-# stage holds its blocks, the first also the embedding (V·D), the last the final norm and the output
-# layer (D + D·V). Bubble: (p-1)/(m+p-1) of the step with equal stage times.
-
-def pp_step_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, dtype_bytes: int = 4,
-                  virtual_stages: int = 1) -> float:
-    """Bytes stage ``stage`` of ``pp`` sends in one step: the activations of the whole batch forward
-    (unless last), their gradients backward (unless first). Interleaved over ``virtual_stages`` v
-    chunks per rank, each of its v chunks sends both ways, except the model's very first piece
-    (rank 0, chunk 0: no gradient back) and very last (rank p-1, last chunk: no activation on)."""
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage={stage} is not a stage of pp={pp}")
-    a = batch * seq * dim * dtype_bytes  # m micro-batches of (B/m)·S·D
-    v = virtual_stages
-    return float(a * (v - (stage == pp - 1)) + a * (v - (stage == 0))) if pp > 1 else 0.0
-
-
-def pp_run_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, steps: int, dtype_bytes: int = 4,
-                 virtual_stages: int = 1) -> float:
-    """Bytes a stage sends over ``steps`` steps (nothing at start-up: every rank builds the model
-    from the same seed and keeps its own blocks)."""
-    return steps * pp_step_bytes(batch, seq, dim, pp, stage, dtype_bytes, virtual_stages)
-
-
-def pp_stage_params(cfg, blocks: int, first: bool, last: bool) -> int:
-    """Parameters one stage holds: ``blocks`` transformer blocks, plus the embedding on the first
-    stage and the final norm and output layer on the last."""
-    d, v = cfg.dim, cfg.vocab_size
-    per_block = (cfg.num_params() - 2 * v * d - d) // cfg.n_layers
-    return blocks * per_block + (v * d if first else 0) + (d + d * v if last else 0)
-
-
-def pp_memory_per_rank(cfg, blocks: int, first: bool, last: bool, precision: str = "fp32",
-                       num_tensors: int = 0) -> dict[str, float]:
-    """Bytes one stage holds in parameters, gradients and AdamW state: ``memory_per_rank`` of its own
-    parameters (nothing is sharded within a stage)."""
-    return memory_per_rank(pp_stage_params(cfg, blocks, first, last), 1, zero=0, precision=precision,
-                           num_tensors=num_tensors)
-
-
-def pp_bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
-    """The idle share of a step with equal stages.
-
-    GPipe and 1F1B: (p-1)/(m+p-1): the step takes m+p-1 slots of one micro-batch's forward and
-    backward, each stage computes in m of them. Interleaved (v chunks per rank): (p-1)/(v·m+p-1),
-    filling and draining costs p-1 slots of one chunk, 1/v of a stage. Zero-bubble ZB-H1, with F, B
-    and W equally long (a backward twice a forward, cut in two halves): (p-1)/(3m+p-1) in units of
-    one F, since only B's travel back through the pipe (Qi et al. 2023); with m < p every stage
-    also waits p-m more slots."""
-    if pp < 1 or microbatches < 1:
-        raise ValueError(f"pp and microbatches must be >= 1, got pp={pp}, microbatches={microbatches}")
-    p, m, v = pp, microbatches, virtual_stages
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zb":
-        idle = p - 1 + max(p - m, 0)
-        return idle / (3 * m + idle)
-    raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b, interleaved or zb")
-
-
-def pp_peak_microbatches_in_flight(pp: int, microbatches: int, stage: int, schedule: str,
-                                   virtual_stages: int = 1) -> int:
-    """The most micro-batches whose activations a stage holds at once: GPipe all m; 1F1B at most
-    p - stage (its warm-up forwards plus the one of the steady state), and never more than m.
-    Interleaved counts (micro-batch, chunk) sets, each 1/v of a stage's: its warm-up 2(p-s-1) + (v-1)p
-    plus one, at most v·m. ZB-H1 holds a micro-batch from F to W: p on every stage (at most m)."""
-    p, m, s, v = pp, microbatches, stage, virtual_stages
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(p - s, m)
-    if schedule == "interleaved":
-        return min(2 * (p - s - 1) + (v - 1) * p + 1, v * m)
-    if schedule == "zb":
-        return min(p, m)
-    raise ValueError(f"unknown schedule {schedule!r}; expected gpipe, 1f1b, interleaved or zb")
-
-
-# the 3D formulas (and activation memory) live in their own files, re-exported here
-from minitp.cost.activations import *  # noqa: E402,F401,F403
-from minitp.cost.context import *  # noqa: E402,F401,F403
-from minitp.cost.experts import *  # noqa: E402,F401,F403
-from minitp.cost.threed import *  # noqa: E402,F401,F403
-from minitp.cost.time import *  # noqa: E402,F401,F403
+__all__ = [
+    # strategies: one collective, and each strategy alone
+    "DTYPE_BYTES", "collective_sent_bytes", "ddp_step_bytes", "ddp_run_bytes", "memory_per_rank", "total_memory",
+    "fsdp_step_bytes", "fsdp_run_bytes", "fsdp_memory_per_rank", "fsdp_gathered_peak_bytes", "tp_region_bytes",
+    "tp_mlp_bytes", "tp_block_bytes", "tp_params_per_rank", "tp_memory_per_rank", "tp_mlp_params_per_rank",
+    "pp_step_bytes", "pp_run_bytes", "pp_stage_params", "pp_memory_per_rank", "pp_bubble_fraction",
+    "pp_peak_microbatches_in_flight",
+    # activations
+    "recompute_mode", "block_activation_bytes", "activation_bytes_per_rank", "tiny_block_activation_bytes",
+    "kv_cache_bytes", "attention_weight_shapes",
+    # threed
+    "rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",
+    "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes",
+    # context
+    "cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes", "cp_memory_per_rank",
+    "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank", "cp3d_step_bytes", "cp_mesh_step_bytes",
+    "ulysses_attention_bytes",
+    # experts
+    "COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "ep3d_run_bytes",
+    "moe_param_split", "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
+    "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
+    "moe_activation_bytes_per_rank",
+    # time
+    "Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
+    "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
+    "arithmetic_intensity", "overlap_budget_bytes",
+    # from minitp.layout
+    "check_3d_layout", "num_buckets", "padded_numel", "stage_num_blocks",
+]

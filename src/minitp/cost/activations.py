@@ -1,6 +1,6 @@
 """Activation memory: what autograd keeps for backward, per block, per rank.
 
-Part of ``minitp.cost`` (re-exported there). Two formulas:
+Part of ``minitp.cost`` (re-exported there); builds on ``minitp.cost.strategies``. Two formulas:
 
 * ``block_activation_bytes``: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", Table 2), in 16-bit, per block and micro-batch of b sequences of s tokens,
@@ -23,18 +23,25 @@ Part of ``minitp.cost`` (re-exported there). Two formulas:
 
 from __future__ import annotations
 
-from minitp.layout import stage_num_blocks
+from minitp.cost.strategies import pp_peak_microbatches_in_flight
+from minitp.layout import check_tp_config, stage_num_blocks
 
-__all__ = ["block_activation_bytes", "activation_bytes_per_rank", "tiny_block_activation_bytes", "kv_cache_bytes",
-           "attention_weight_shapes"]
+__all__ = ["recompute_mode", "block_activation_bytes", "activation_bytes_per_rank", "tiny_block_activation_bytes",
+           "kv_cache_bytes", "attention_weight_shapes"]
+
+
+def recompute_mode(recompute) -> str:
+    """``recompute`` as one of "none", "selective", "full" (False and True read as none and full)."""
+    mode = {False: "none", True: "full", None: "none"}.get(recompute, recompute)
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    return mode
 
 
 def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute="none", flash_attention: bool = True, dtype_bytes: int = 2) -> float:
     """Korthikanti's bytes one block keeps for one micro-batch on one rank (table above), scaled by
     ``dtype_bytes``/2. recompute: "none", "selective" or "full" (False / True read as none / full)."""
-    from minitp.cost.time import recompute_mode
-
     recompute = recompute_mode(recompute)
     s, b, d = seq, micro_batch, cfg.dim
     if recompute == "full":
@@ -54,8 +61,6 @@ def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int,
     (min(pp - stage, m)). recompute: False / "none", "selective" or True / "full"."""
     per_block = block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
                                        dtype_bytes)
-    from minitp.cost import pp_peak_microbatches_in_flight
-
     in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")  # min(pp - stage, m)
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
 
@@ -87,8 +92,6 @@ def attention_weight_shapes(cfg, tp: int = 1) -> dict[str, tuple[int, int]]:
     """(in, out) of W_Q, W_K, W_V, W_O on one tensor-parallel rank. Grouped-query attention: K and V
     have n_kv_heads heads, each read by n_heads/n_kv_heads query heads, so W_K and W_V are D × (H_kv·Dh);
     tp splits the heads (query and key/value alike), hence tp must divide n_kv_heads."""
-    from minitp.layout import check_tp_config
-
     check_tp_config(cfg, tp)
     q, kv = cfg.n_heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp
     return {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim)}

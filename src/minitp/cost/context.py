@@ -1,8 +1,8 @@
 """Context parallel (ring attention): what a rank of a cp group sends and holds.
 
-Part of ``minitp.cost`` (re-exported there); the notation is the package's, plus c = cp (the ranks
-the sequence is split over), S the sequence, b the bytes of an element. A rank holds S/c positions;
-its keys or its values for one attention call are
+Part of ``minitp.cost`` (re-exported there; builds on its strategies, activations and threed); the
+notation is the package's, plus c = cp (the ranks the sequence is split over), S the sequence, b the
+bytes of an element. A rank holds S/c positions; its keys or its values for one attention call are
 
     KV = B · Hkv · (S/c) · Dh · b   bytes.
 
@@ -20,8 +20,10 @@ and the ring's online softmax never forms the S × S scores.
 
 from __future__ import annotations
 
-from minitp.cost import collective_sent_bytes, memory_per_rank
 from minitp.cost.activations import block_activation_bytes
+from minitp.cost.strategies import collective_sent_bytes, memory_per_rank
+from minitp.cost.threed import rank_num_blocks, threed_step_bytes
+from minitp.layout import check_divisible, cp_chunks
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
            "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
@@ -107,8 +109,6 @@ def cp_attention_flops_per_rank(seq: int, cp: int, rank: int, heads: int, head_d
     the two matmuls), counting the pairs ``minitp.cp`` computes: chunk pairs wholly in the past
     in full, diagonal ones in tiles of ``tile`` (about half), future ones not at all: how even the
     load is."""
-    from minitp.layout import cp_chunks
-
     mine = cp_chunks(seq, cp, rank, balanced)
     keys = [c for r in range(cp) for c in cp_chunks(seq, cp, r, balanced)]
     pairs = 0
@@ -134,9 +134,6 @@ def cp3d_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, mesh_d
     gradients (DDP: one all-reduce; ``mesh_dp_rank``, the rank's place among them, for the start-up
     broadcast chain) or shard the state (FSDP, ZeRO ``zero``: ``threed_step_bytes``'s gathers and
     reduce-scatters over dp·cp ranks; ``state_dict``: the final gather)."""
-    from minitp.cost.threed import rank_num_blocks, threed_step_bytes
-    from minitp.layout import check_divisible
-
     check_divisible("seq_len", seq, "cp", cp)
     check_divisible("batch_size", batch, "dp", dp)
     sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, mesh_dp_rank, data_parallel, zero,
@@ -156,9 +153,6 @@ def cp_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp:
     and no ring). A replica's B/dp rows at S/cp positions per rank move the activations of threed's
     B·cp rows over dp·cp replicas of sequences S/cp, and its gradients are averaged over those dp·cp
     ranks; the ring carries the stage's blocks' keys and values, Hkv/tp heads of B/dp rows."""
-    from minitp.cost.threed import rank_num_blocks, threed_step_bytes
-    from minitp.layout import check_divisible
-
     check_divisible("seq_len", seq, "cp", cp)
     sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel, zero,
                              activation_bytes=activation_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,

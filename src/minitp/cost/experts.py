@@ -20,12 +20,29 @@ replicated parameters' gradients, one all-reduce of 4 Ψ_replicated bytes: 2(n-1
 For the planner (``minitp plan --ep``), the same at scale on a dp·cp·pp·tp mesh: ``ep_mesh_step_bytes``,
 ``ep_mesh_memory_per_rank`` and ``moe_activation_bytes_per_rank``; training FLOPs count the
 ``active_params`` (k of the E experts per layer).
+
+Part of ``minitp.cost`` (re-exported there); builds on its strategies, activations, threed and context.
 """
 
 from __future__ import annotations
 
-from minitp.cost import collective_sent_bytes, memory_per_rank
-from minitp.layout import check_divisible
+from minitp.cost.activations import block_activation_bytes, recompute_mode
+from minitp.cost.context import cp_mesh_step_bytes
+from minitp.cost.strategies import (
+    collective_sent_bytes,
+    ddp_step_bytes,
+    fsdp_memory_per_rank,
+    fsdp_step_bytes,
+    memory_per_rank,
+    pp_peak_microbatches_in_flight,
+)
+from minitp.cost.threed import rank_num_blocks, stage_num_tensors, stage_unit_numels
+from minitp.layout import check_divisible, check_positive, stage_num_blocks
+
+__all__ = ["COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "ep3d_run_bytes",
+           "moe_param_split", "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
+           "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
+           "moe_activation_bytes_per_rank"]
 
 COUNT_BYTES = 8  # one int64 per expert in the counts all-to-all
 
@@ -61,6 +78,26 @@ def ep_run_bytes(layer_counts: list[list[list[list[int]]]], rank: int, dim: int,
     a2a = sum(ep_layer_bytes(c, rank, dim, dtype_bytes) for step in layer_counts for c in step)
     dp = len(layer_counts) * collective_sent_bytes("all_reduce", replicated_params * grad_bytes, ep)
     return {"ep": a2a, "dp": dp}
+
+
+# -- expert parallel on the mesh: a MoE model's experts over ep of the dp ranks ------------------------
+def ep3d_run_bytes(layer_counts: list[list[list[list[int]]]], rank: int, dim: int, replicated_params: int,
+                   expert_params: int, dp: int, ep: int, dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
+    """Bytes a rank of a dp-rank mesh dimension sends over a run when its ep group (ep consecutive
+    dp ranks) shares one set of experts (``minitp.ep.mesh_ep_groups``), per dimension:
+
+    * "ep": its group's all-to-alls, ``ep_layer_bytes`` of the routing that happened
+      (``layer_counts[step][layer]``: ep x E kept assignments, one row per rank of its ep group;
+      ``rank``: its place in the group);
+    * "dp": per step, the replicated parameters' all-reduce over all dp ranks and its experts'
+      (``expert_params`` of them) over their dp/ep copies.
+    """
+    check_divisible("dp", dp, "ep", ep)
+    steps = len(layer_counts)
+    a2a = sum(ep_layer_bytes(c, rank, dim, dtype_bytes) for step in layer_counts for c in step)
+    per_step = (collective_sent_bytes("all_reduce", replicated_params * grad_bytes, dp)
+                + collective_sent_bytes("all_reduce", expert_params * grad_bytes, dp // ep))
+    return {"tp": 0.0, "pp": 0.0, "dp": steps * per_step, "ep": a2a}
 
 
 def moe_param_split(cfg) -> tuple[int, int]:
@@ -100,8 +137,6 @@ def moe_all_to_all_bytes(tokens: int, dim: int, top_k: int, ep: int, dispatch_by
 def check_ep(cfg, ep: int) -> bool:
     """Refuse an ep the model cannot take (not a size; > 1 for a dense model; not dividing n_experts);
     True when ``cfg`` is a MoE."""
-    from minitp.layout import check_positive
-
     check_positive("ep", ep)
     moe = hasattr(cfg, "n_experts")
     if ep > 1 and not moe:
@@ -134,8 +169,6 @@ def ep_stage_unit_numels(cfg, tp: int, pp: int, stage: int, ep: int,
     """(dense units, expert units) of a rank of stage ``stage``: ``stage_unit_numels`` with each block's
     E experts taken out of it (attention, router and norms stay: replicated over dp·cp), and per block
     the E/ep experts of its ep rank, Fe/tp of each one's width: (E/ep)·3·D·Fe/tp parameters."""
-    from minitp.cost.threed import rank_num_blocks, stage_unit_numels
-
     check_divisible("n_experts", cfg.n_experts, "ep", ep)
     check_divisible("expert_hidden", cfg.expert_hidden, "tp", tp)
     units = stage_unit_numels(cfg, tp, pp, stage, virtual_stages)
@@ -151,9 +184,6 @@ def ep_mesh_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, ep: int,
     weights and ep of them split the experts: the dense units as ``threed_memory_per_rank`` over dp, plus
     its E/ep experts, sharded by FSDP (ZeRO ``zero``) over their dp/ep copies, whole under DDP. DDP's
     step counters: per block 7 dense tensors (wq wk wv wo, router, two norms) and 3·E/ep expert ones."""
-    from minitp.cost import fsdp_memory_per_rank
-    from minitp.cost.threed import rank_num_blocks, stage_num_tensors
-
     check_divisible("dp", dp, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
     dense, experts = ep_stage_unit_numels(cfg, tp, pp, stage, ep, virtual_stages)
     blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
@@ -180,10 +210,6 @@ def ep_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp:
     * dp: the dense units' gradients over the dp·cp ranks, the experts' over their dp·cp/ep copies
       (DDP: all-reduces; FSDP: ZeRO ``zero``'s gathers and reduce-scatters, experts never the root).
     ep = 1: every rank holds every expert, ``cp_mesh_step_bytes`` and no all-to-all."""
-    from minitp.cost import ddp_step_bytes, fsdp_step_bytes
-    from minitp.cost.context import cp_mesh_step_bytes
-    from minitp.cost.threed import rank_num_blocks
-
     n = dp * cp
     check_divisible("dp·cp", n, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
     sent = cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, data_parallel, zero, activation_bytes,
@@ -215,9 +241,6 @@ def moe_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, seq
         dense − s·b·8·D/t·b_a + s·b·(k·(2·D + 4·Fe/t)·b_a + 4·E)       (b_a: bytes per activation)
 
     Full recomputation keeps the block's input alone, as for a dense block."""
-    from minitp.cost.activations import block_activation_bytes
-    from minitp.cost.time import recompute_mode
-
     dense = block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
                                    dtype_bytes)
     if recompute_mode(recompute) == "full":
@@ -232,16 +255,7 @@ def moe_activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: 
     """``activation_bytes_per_rank`` of a MoE: ``moe_block_activation_bytes`` times the stage's blocks,
     times the micro-batches 1F1B keeps in flight (min(pp - stage, m)). ep changes nothing here: a rank
     computes the assignments its experts receive, k·s·b of them when routing is even."""
-    from minitp.cost import pp_peak_microbatches_in_flight
-    from minitp.layout import stage_num_blocks
-
     per_block = moe_block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
                                            dtype_bytes)
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * pp_peak_microbatches_in_flight(
         pp, microbatches, stage, "1f1b")
-
-
-__all__ = ["COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "moe_param_split",
-           "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
-           "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
-           "moe_activation_bytes_per_rank"]

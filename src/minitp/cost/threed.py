@@ -1,11 +1,13 @@
 """3D: data × pipeline × tensor parallel: what a rank at mesh position (d, s, t) holds and sends.
 
-Part of ``minitp.cost`` (re-exported there); the notation is the package's.
+Part of ``minitp.cost`` (re-exported there); the notation is the package's. It builds on
+``minitp.cost.strategies`` alone. The whole model's tensor-parallel bytes (``tp_step_bytes``) are its
+formula with one stage.
 """
 
 from __future__ import annotations
 
-from minitp.cost import (
+from minitp.cost.strategies import (
     collective_sent_bytes,
     ddp_run_bytes,
     fsdp_memory_per_rank,
@@ -17,7 +19,7 @@ from minitp.cost import (
 from minitp.layout import check_divisible, stage_num_blocks
 
 __all__ = ["rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",
-           "threed_memory_per_rank", "ep3d_run_bytes"]
+           "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes"]
 
 
 # -- 3D: data × pipeline × tensor parallel, and the layout planner -----------------------------------
@@ -111,23 +113,18 @@ def threed_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, data_para
                            num_tensors=stage_num_tensors(cfg, pp, stage, v))
 
 
-# -- expert parallel on the mesh: a MoE model's experts over ep of the dp ranks ------------------------
-def ep3d_run_bytes(layer_counts: list[list[list[list[int]]]], rank: int, dim: int, replicated_params: int,
-                   expert_params: int, dp: int, ep: int, dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
-    """Bytes a rank of a dp-rank mesh dimension sends over a run when its ep group (ep consecutive
-    dp ranks) shares one set of experts (``minitp.ep.mesh_ep_groups``), per dimension:
+# -- tensor parallel alone: the whole model, one stage that is first and last ------------------------------
+def tp_step_bytes(cfg, batch: int, seq: int, tp: int, sequence_parallel: bool = False,
+                  dtype_bytes: int = 4) -> float:
+    """One training step of the whole model (``cfg``: a ``ModelConfig``) under tensor parallel:
+    the blocks, the vocab-parallel embedding and output layer, and the vocab-parallel loss. The
+    3D formula's tp part with one stage that is first and last (``threed_step_bytes``)."""
+    return threed_step_bytes(cfg, batch, seq, 1, tp, 1, 0, activation_bytes=dtype_bytes,
+                             sequence_parallel=sequence_parallel)["tp"]
 
-    * "ep": its group's all-to-alls, ``ep_layer_bytes`` of the routing that happened
-      (``layer_counts[step][layer]``: ep x E kept assignments, one row per rank of its ep group;
-      ``rank``: its place in the group);
-    * "dp": per step, the replicated parameters' all-reduce over all dp ranks and its experts'
-      (``expert_params`` of them) over their dp/ep copies.
-    """
-    from minitp.cost.experts import ep_layer_bytes
 
-    check_divisible("dp", dp, "ep", ep)
-    steps = len(layer_counts)
-    a2a = sum(ep_layer_bytes(c, rank, dim, dtype_bytes) for step in layer_counts for c in step)
-    per_step = (collective_sent_bytes("all_reduce", replicated_params * grad_bytes, dp)
-                + collective_sent_bytes("all_reduce", expert_params * grad_bytes, dp // ep))
-    return {"tp": 0.0, "pp": 0.0, "dp": steps * per_step, "ep": a2a}
+def tp_run_bytes(cfg, batch: int, seq: int, tp: int, steps: int, sequence_parallel: bool = False,
+                 dtype_bytes: int = 4) -> float:
+    """Bytes each rank sends over ``steps`` training steps (no start-up messages: every rank builds
+    the same model from the same seed and keeps its slices)."""
+    return steps * tp_step_bytes(cfg, batch, seq, tp, sequence_parallel, dtype_bytes)

@@ -17,19 +17,27 @@ extra forward is work the hardware does but the model does not count.
 
 A collective on a ring of n ranks takes (n-1) steps per phase (an all-reduce has two phases), each one
 message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point-to-point send takes α + B/β.
+
+The last of ``minitp.cost``'s modules: it times the bytes the others count. This machine's figures come
+in as a ``Device`` (``device_from_calibration`` of what ``minitp.calibrate`` read); nothing here reads
+a file.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 
-__all__ = ["Link", "Device", "H100", "A100", "DEVICES", "calibration_path", "device_from_calibration",
-           "load_calibration", "this_machine", "training_flops_per_token", "recompute_flops_per_token",
-           "recompute_mode", "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
-           "arithmetic_intensity", "overlap_budget_bytes"]
+from minitp.cost.activations import recompute_mode
+from minitp.cost.context import cp_mesh_step_bytes
+from minitp.cost.experts import active_params, check_ep, ep_mesh_step_bytes
+from minitp.cost.strategies import collective_sent_bytes
+from minitp.cost.threed import rank_num_blocks
+from minitp.layout import check_positive
+
+__all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
+           "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime",
+           "step_time", "arithmetic_intensity", "overlap_budget_bytes"]
 
 
 # -- devices -------------------------------------------------------------------------------------
@@ -79,14 +87,9 @@ A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 300e9), Link("Infi
 DEVICES = {"h100": H100, "a100": A100}
 
 
-# -- this machine: the stored calibration ---------------------------------------------------------
-def calibration_path() -> str:
-    """Where ``minitp calibrate`` stores this machine's figures: $MINITP_CALIBRATION, else
-    ~/.cache/minitp/calibration.json."""
-    return os.environ.get("MINITP_CALIBRATION") or os.path.join(os.path.expanduser("~"), ".cache", "minitp",
-                                                                "calibration.json")
-
-
+# -- this machine: figures measured by ``minitp calibrate`` -----------------------------------------
+# Reading them from where they are stored (and checking them) is ``minitp.calibrate``'s: nothing here
+# touches a file. A calibration is a dict of figures, handed in.
 def device_from_calibration(cal: dict) -> Device:
     """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links)."""
     link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
@@ -95,38 +98,16 @@ def device_from_calibration(cal: dict) -> Device:
                   cores=cal.get("cores"), overhead_s=cal.get("step_overhead_s", 0.0))
 
 
-def load_calibration(path: str | None = None) -> dict | None:
-    """The stored calibration, or None when there is none (or it cannot be read)."""
-    path = path or calibration_path()
-    try:
-        with open(path) as f:
-            cal = json.load(f)
-    except (OSError, ValueError):
-        return None
-    need = ("flops_per_s", "alpha_s", "bytes_per_s")
-    return cal if isinstance(cal, dict) and all(isinstance(cal.get(k), (int, float)) for k in need) else None
-
-
-def this_machine(path: str | None = None) -> Device | None:
-    """This machine as a Device, from ``minitp calibrate``'s stored figures (None if never calibrated)."""
-    cal = load_calibration(path)
-    return device_from_calibration(cal) if cal else None
-
-
 # -- compute ----------------------------------------------------------------------------------------
 def training_flops_per_token(cfg, seq: int) -> float:
     """Model FLOPs to train on one token: 6Ψ (forward 2Ψ, backward 4Ψ) + 12·L·D·S for attention;
     Ψ the active parameters (a MoE's token goes through k of its E experts per layer)."""
-    from minitp.cost.experts import active_params
-
     return 6 * active_params(cfg) + 12 * cfg.n_layers * cfg.dim * seq
 
 
 def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
     """The extra FLOPs recomputation adds per token: ``full`` runs each block's forward again
     (2Ψ_blocks + 4·L·D·S, Ψ_blocks active), ``selective`` only attention's scores and weighted sum (4·L·D·S)."""
-    from minitp.cost.experts import active_params
-
     recompute = recompute_mode(recompute)
     if recompute == "none":
         return 0.0
@@ -135,14 +116,6 @@ def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
         return float(attention)
     d, v = cfg.dim, cfg.vocab_size
     return 2 * (active_params(cfg) - 2 * v * d - d) + attention
-
-
-def recompute_mode(recompute) -> str:
-    """``recompute`` as one of "none", "selective", "full" (False and True read as none and full)."""
-    mode = {False: "none", True: "full", None: "none"}.get(recompute, recompute)
-    if mode not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
-    return mode
 
 
 def _shared_cores(device: Device, ranks_on_machine: int) -> float:
@@ -163,8 +136,6 @@ RING_PHASES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     """Seconds one ``op`` on a buffer of ``nbytes`` over a ring of ``n`` ranks takes: (n-1) steps
     per phase, each α plus B/n bytes at β. ``send``: α + B/β."""
-    from minitp.cost import collective_sent_bytes
-
     if op == "send":
         return link.alpha_s + nbytes / link.bytes_per_s
     if n <= 1:
@@ -240,11 +211,6 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute.
     """
-    from minitp.cost.context import cp_mesh_step_bytes
-    from minitp.cost.experts import check_ep, ep_mesh_step_bytes
-    from minitp.cost.threed import rank_num_blocks
-    from minitp.layout import check_positive
-
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
     gpus, m = dp * cp * pp * tp, microbatches if pp > 1 else 1

@@ -13,7 +13,7 @@ import os
 import re
 import traceback
 
-from minitp.launch import LaunchTimeout, RankError, launch
+from minitp.launcher import LaunchTimeout, RankError, launch
 
 HANG_HINT = "Every rank must join every collective (the same ones, in the same order)."
 NOT_DONE = "not done yet (the function still raises NotImplementedError)."

@@ -38,7 +38,7 @@ def _inputs(rank: int, numel: int, seed: int) -> torch.Tensor:
 
 
 def _answer_events(tr: trace.Trace) -> list[trace.Event]:
-    return [e for e in tr.comm() if e.label.startswith(_ANSWER)]
+    return [e for e in tr.comm() if _ANSWER in e.scopes]
 
 
 def _check_ops(results, name: str, building: str) -> None:
@@ -50,7 +50,7 @@ def _check_ops(results, name: str, building: str) -> None:
 
 
 def _check_bytes(results, name: str, expected: float, formula: str, per_step: str) -> None:
-    sent = results.sent_bytes(_ANSWER)
+    sent = trace.sent_bytes_per_rank(results.traces, scope=_ANSWER)
     if all(s == 0 for s in sent):
         raise ExerciseError(f"{name}: the values are right but no message was traced. Send with "
                             "minitp.comm.send/recv (or isend/irecv), not torch.distributed directly, "

@@ -136,7 +136,7 @@ def check_average_bucket(fn, nprocs: tuple[int, ...] = (2, 4), numel: int = 12, 
                 raise ExerciseError(f"{name} {where}: your bucket is the mean divided by n once more: divide "
                                     "once, by the world size.")
             raise ExerciseError(f"{name} {where}: expected {mean.tolist()}, got {got.tolist()}.")
-        events = [e for e in results.traces[0].comm() if e.label.startswith(_ANSWER)]
+        events = [e for e in results.traces[0].comm() if _ANSWER in e.scopes]
         ops = [e.op for e in events]
         if not events:
             raise ExerciseError(f"{name}: the values are right but no message was traced: use "
@@ -151,7 +151,7 @@ def check_average_bucket(fn, nprocs: tuple[int, ...] = (2, 4), numel: int = 12, 
                                 f"{sizes}; expected exactly one of the whole bucket, {bucket_bytes} B. The point of "
                                 "a bucket is one large message instead of many small ones.")
         want = cost.collective_sent_bytes("all_reduce", bucket_bytes, n)
-        sent = results.sent_bytes(_ANSWER)
+        sent = trace.sent_bytes_per_rank(results.traces, scope=_ANSWER)
         if any(s != want for s in sent):  # pragma: no cover - follows from one all-reduce per rank
             raise ExerciseError(f"{name}: the ranks sent {sent} bytes, expected 2(n-1)/n * B = {want:g} each.")
     passed(name, f"the mean on {' and '.join(map(str, nprocs))} ranks, one all-reduce of the bucket's "
@@ -239,13 +239,13 @@ def _ddp_worker(cls, steps: int, bucket_bytes: int):
             m.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
         ready_at.clear()
-        with trace.scope(f"{_ANSWER}/step{step}"):
+        with trace.scope(_ANSWER, f"step{step}"), trace.tagged(step=step):  # labels "answer/step0/..."
             loss.backward()
             backward_ended = time.perf_counter()
             answer.finish()
         torch.nn.functional.mse_loss(single(x), y).backward()  # one process, the whole batch
         torch.nn.functional.mse_loss(local(x[mine]), y[mine]).backward()  # this rank alone, not averaged
-        with trace.scope(f"library/step{step}"):
+        with trace.scope("library", f"step{step}"), trace.tagged(step=step):
             torch.nn.functional.mse_loss(reference_ddp(x[mine]), y[mine]).backward()
         out.append({"grads": _grads(model), "single": _grads(single), "local": _grads(local),
                     "library": _grads(library), "last_grad_at": max(ready_at.values(), default=0.0),
@@ -300,15 +300,14 @@ def check_bucketed_ddp(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, time
         results = run_answer(_ddp_worker, n, (cls, steps, _BUCKET_BYTES), name, timeout, hang_hint=(
             "Every rank must launch the same all-reduces in the same order: one per bucket, each once per step."))
         for rank, r in enumerate(results):
-            events = [e for e in results.traces[rank].comm() if e.label.startswith(_ANSWER)]
+            events = [e for e in results.traces[rank].comm() if _ANSWER in e.scopes]
             ops = sorted({e.op for e in events} - {"all_reduce"})
             if ops:
                 raise ExerciseError(f"{name}: rank {rank} called {', '.join(ops)}; one comm.all_reduce per bucket "
                                     "is all DDP sends.")
             for step, got in enumerate(r["steps"]):
                 where = f"on {n} ranks, rank {rank}, step {step}"
-                scope = f"{_ANSWER}/step{step}"
-                mine = [e for e in events if e.label == scope or e.label.startswith(scope + "/")]
+                mine = [e for e in events if e.step == step]  # traced in this step's backward and finish()
                 if not mine:
                     raise ExerciseError(f"{name} {where}: no all-reduce was traced during backward and finish(). "
                                         "Launch comm.all_reduce(flat, async_op=True) from the hook (through "

@@ -36,7 +36,7 @@ _SIZES = (10, 12, 7)  # 10 and 7 need padding on 4 and on 3 ranks; 12 divides bo
 
 
 def _ops(tr: trace.Trace) -> list[trace.Event]:
-    return [e for e in tr.comm() if e.label.startswith(_ANSWER)]
+    return [e for e in tr.comm() if _ANSWER in e.scopes]
 
 
 def _padded(flat: torch.Tensor, n: int) -> torch.Tensor:
@@ -150,7 +150,7 @@ def check_shard_unshard(shard_fn, unshard_fn, nprocs: tuple[int, ...] = (4, 3), 
             raise ExerciseError(f"{name}: unshard called {', '.join(ops)}; one comm.all_gather per parameter is "
                                 "all it takes (every rank brings its shard, every rank gets all of them).")
         want = sum(cost.collective_sent_bytes("all_gather", cost.padded_numel(m, n) * 4, n) for m in _SIZES)
-        got = tr.sent_bytes(_ANSWER)
+        got = tr.sent_bytes(scope=_ANSWER)
         if got != want:
             raise ExerciseError(f"{name}: the values are right, but rank 0 sent {got:g} bytes for the three "
                                 f"unshards, expected {want:g} ((n-1)/n * P * 4 bytes each, n = {n}): gather once "
@@ -225,7 +225,7 @@ def check_reduce_gradient(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
         if ops != ["reduce_scatter"]:
             raise ExerciseError(f"{name}: you called {', '.join(ops)}; one comm.reduce_scatter is all it takes.")
         want_bytes = cost.collective_sent_bytes("reduce_scatter", n * per_rank * 4, n)
-        sent = results.sent_bytes(_ANSWER)
+        sent = trace.sent_bytes_per_rank(results.traces, scope=_ANSWER)
         if any(s != want_bytes for s in sent):
             raise ExerciseError(f"{name}: the values are right, but the ranks sent {[f'{s:g}' for s in sent]} bytes, "
                                 f"expected (n-1)/n * B = {want_bytes:g} each: one reduce-scatter of the fp32 gradient.")

@@ -93,10 +93,10 @@ def _unit_worker(cls, steps: int):
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         gathered.peak = 0
-        with trace.scope(f"{_ANSWER}/step{step}/forward"):
+        with trace.scope(_ANSWER, f"step{step}", "forward"), trace.tagged(step=step, phase="forward"):
             out_answer = answer(x[mine])
         held_after_forward = gathered.held()
-        with trace.scope(f"{_ANSWER}/step{step}/backward"):
+        with trace.scope(_ANSWER, f"step{step}", "backward"), trace.tagged(step=step, phase="backward"):
             torch.nn.functional.mse_loss(out_answer, y[mine]).backward()
         torch.nn.functional.mse_loss(single(x), y).backward()
         with trace.scope("library"):
@@ -158,11 +158,11 @@ def check_fsdp_unit(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, timeout
             where = f"on {n} ranks, rank {rank}"
             for i, (got, flat) in enumerate(zip(r["shards"], r["flats"])):
                 _check_shard(name, where, got, flat, n, rank, i)
-            events = [e for e in results.traces[rank].comm() if e.label.startswith(_ANSWER)]
+            events = [e for e in results.traces[rank].comm() if _ANSWER in e.scopes]
             for step, got in enumerate(r["steps"]):
                 at = f"{where}, step {step}"
-                fwd = [e.op for e in events if e.label.startswith(f"{_ANSWER}/step{step}/forward")]
-                bwd = [e.op for e in events if e.label.startswith(f"{_ANSWER}/step{step}/backward")]
+                fwd = [e.op for e in events if e.step == step and e.phase == "forward"]
+                bwd = [e.op for e in events if e.step == step and e.phase == "backward"]
                 if fwd.count("all_gather") != 2:
                     raise ExerciseError(f"{name} {at}: forward made {fwd.count('all_gather')} all-gathers for 2 "
                                         "units: gather each unit's full parameters from the shards, once, "

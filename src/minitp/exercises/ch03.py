@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from minitp import comm, cost, trace
+from minitp import cost, regions, trace
 from minitp.exercises import ExerciseError, passed, run_answer
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 
@@ -36,11 +36,14 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def answer_messages(tr: trace.Trace) -> list[trace.Event]:
-    return [e for e in tr.comm() if e.label.startswith(ANSWER)]
+    return [e for e in tr.comm() if ANSWER in e.scopes]
 
 
 def phase(e: trace.Event) -> str:
-    return e.label.removeprefix(ANSWER).strip("/").split("/")[0] or "forward"
+    """The checker's pass the message was sent in: the scope it opened inside ``ANSWER``, "forward"
+    or "backward" (whatever the learner's code tagged its own messages with)."""
+    inner = e.scopes[e.scopes.index(ANSWER) + 1:]
+    return inner[0] if inner else "forward"
 
 
 # -- exercise 1: the row-parallel forward ----------------------------------------------------------
@@ -101,7 +104,7 @@ def check_row_parallel_forward(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
                 raise ExerciseError(
                     f"{name} on {n} ranks: rank {rank} returned only its own partial sum. Each rank's "
                     "x_shard @ weight_shard.T covers in/n of the input features; add the n partial sums "
-                    "over the ranks (g: comm.reduce_from_parallel, an all-reduce) before the bias.")
+                    "over the ranks (g: regions.reduce_from_parallel, an all-reduce) before the bias.")
             if (results[0]["untransposed"] is not None
                     and max_diff(y, sum(q["untransposed"] for q in results) + bias) <= TOL):
                 raise ExerciseError(
@@ -126,7 +129,7 @@ def check_row_parallel_forward(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
             if not msgs:
                 raise ExerciseError(
                     f"{name}: the output is right, but no message was traced. Sum with minitp.comm "
-                    "(comm.reduce_from_parallel or comm.all_reduce), not torch.distributed directly, so "
+                    "(regions.reduce_from_parallel or comm.all_reduce), not torch.distributed directly, so "
                     "every byte is recorded.")
             if [e.op for e in fwd] != ["all_reduce"] or bwd:
                 got = ", ".join(f"{e.op} ({phase(e)})" for e in msgs)
@@ -190,7 +193,7 @@ def _f_worker(cls):
         return {"entered": None}
     same = entered.shape == x.shape and torch.equal(entered.detach(), x.detach())
     with trace.scope("g"):
-        y = comm.reduce_from_parallel(_pair_forward(entered, col, row), None, label="")
+        y = regions.reduce_from_parallel(_pair_forward(entered, col, row), None, label="")
     with trace.scope(ANSWER), trace.scope("backward"):
         if y.requires_grad:
             y.pow(2).sum().backward()

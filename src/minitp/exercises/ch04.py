@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minitp import comm, cost, trace
+from minitp import cost, regions, trace
 from minitp.exercises import ExerciseError, passed, run_answer
 from minitp.exercises.ch03 import ANSWER, TOL, answer_messages, max_diff, phase
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
@@ -69,8 +69,8 @@ def _split_worker(w1s, w3s, w2s):
     x, *_ = _weights()
     x = x.clone().requires_grad_()
     w1, w3, w2 = (t[rank].clone().requires_grad_() for t in (w1s, w3s, w2s))
-    xin = comm.copy_to_parallel(x, None)
-    y = comm.reduce_from_parallel(F.linear(F.silu(F.linear(xin, w1)) * F.linear(xin, w3), w2), None)
+    xin = regions.copy_to_parallel(x, None)
+    y = regions.reduce_from_parallel(F.linear(F.silu(F.linear(xin, w1)) * F.linear(xin, w3), w2), None)
     y.pow(2).sum().backward()
     return {"y": y.detach(), "x_grad": x.grad}
 
@@ -185,7 +185,7 @@ def check_parallel_swiglu(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
                 if not _off(y, r["partial"]):
                     raise ExerciseError(
                         f"{name} on {n} ranks: rank {rank} returned only its partial sum: its F/n hidden units "
-                        "times its rows of W2. Leave the region with g (comm.reduce_from_parallel) after w2.")
+                        "times its rows of W2. Leave the region with g (regions.reduce_from_parallel) after w2.")
                 raise ExerciseError(
                     f"{name} on {n} ranks: rank {rank}'s output differs from the plain MLP by up to "
                     f"{max_diff(y, want):.3g}. SiLU and the product act on this rank's hidden units as they "
@@ -194,7 +194,7 @@ def check_parallel_swiglu(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
             if _off(r["x_grad"], xr.grad):
                 raise ExerciseError(
                     f"{name} on {n} ranks: the output is right but dL/dx on rank {rank} is wrong: each rank's "
-                    "w1 and w3 slices give only part of it. Enter the region with f (comm.copy_to_parallel) "
+                    "w1 and w3 slices give only part of it. Enter the region with f (regions.copy_to_parallel) "
                     "once, before w1 and w3, so backward sums the parts.")
             for which, got, w, dim in zip(("w1", "w3", "w2"), r["grads"], full, (0, 0, 1)):
                 if _off(got, w.grad.chunk(n, dim)[rank]):

@@ -101,7 +101,8 @@ _HINT_NEIGHBOURS = ("Rank r receives its input from rank r - 1 (the first rank r
 
 
 def _send_recv_setup():
-    from minitp.models import TINY, TrainConfig, synthetic_batches
+    from minitp.models import TINY
+    from minitp.models.train import TrainConfig, synthetic_batches
 
     cfg = TINY.with_(n_layers=4)
     tokens, _ = synthetic_batches(cfg, TrainConfig(steps=1, batch_size=8, seq_len=8, seed=5))[0]
@@ -140,7 +141,7 @@ def check_send_recv_loop(fn, nprocs: tuple[int, ...] = (2, 4), timeout: float = 
         results = run_answer(_send_recv_worker, n, (fn,), name, timeout, hint=_HINT_NEIGHBOURS,
                              hang_hint="Some rank waited for a message nobody sent. " + _HINT_NEIGHBOURS)
         for rank, (r, tr) in enumerate(zip(results, sorted(results.traces, key=lambda t: t.rank))):
-            msgs = [e for e in tr.comm() if e.label.startswith(ANSWER)]
+            msgs = [e for e in tr.comm() if ANSWER in e.scopes]
             sends = [e for e in msgs if e.op == "send"]
             recvs = [e for e in msgs if e.op == "recv"]
             if not r["returned"] or len(r["outputs"]) != m:

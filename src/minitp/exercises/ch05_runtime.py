@@ -105,7 +105,8 @@ _HINT = ("Walk the actions in order. F i: take the input (tokens on rank 0, else
 
 
 def _setup():
-    from minitp.models import TINY, TrainConfig, synthetic_batches
+    from minitp.models import TINY
+    from minitp.models.train import TrainConfig, synthetic_batches
 
     cfg = TINY.with_(n_layers=4)
     tokens, targets = synthetic_batches(cfg, TrainConfig(steps=1, batch_size=8, seq_len=8, seed=7))[0]
@@ -176,7 +177,7 @@ def check_pipeline_runtime(fn, timeout: float = 30.0) -> None:
                 raise ExerciseError(f"{where}: the forwards and backwards ran in another order than the table:\n"
                                     f"  table {_show(table[rank])}\n  ran   {_show(got_order)}\n"
                                     "Run the actions one by one, in the order given.")
-            msgs = [e for e in tr.comm() if e.label.startswith(ANSWER)]
+            msgs = [e for e in tr.comm() if ANSWER in e.scopes]
             sends = [e for e in msgs if e.op == "send"]
             want_peers = sorted([rank + 1] * (m if rank < n - 1 else 0) + [rank - 1] * (m if rank > 0 else 0))
             if sorted(e.peer for e in sends) != want_peers:

@@ -12,7 +12,7 @@
   data parallel, then the largest tp; or None when nothing fits.
 * ``check_make_groups(fn)``: ``fn(dp, pp, tp)``, called on every rank, creates the mesh's process groups
   with ``torch.distributed.new_group`` and returns this rank's three, ``{dim: (ranks, group)}``. Run on 8
-  processes for three layouts; members compared with ``minitp.layout.group_lists`` and
+  processes for three layouts; members compared with ``minitp.grid.group_lists`` and
   ``minitp.mesh.Mesh``, and each group used: an all-reduce over it must add exactly its members.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from minitp import cost, mesh
 from minitp.exercises import ExerciseError, passed, run_answer
-from minitp.layout import coordinates, group_lists
+from minitp.grid import coordinates, group_lists
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 
 GIB = 2**30
@@ -348,5 +348,5 @@ def check_make_groups(fn, layouts=_GROUP_LAYOUTS, timeout: float = 60.0) -> None
                                         f"all-reduce over the group you returned added {r['summed'].get(dim)}, "
                                         f"not {sum(want[dim])} (the sum of {want[dim]}): return the group "
                                         "new_group made for those ranks.")
-    passed(name, f"8 processes, {len(layouts)} layouts: members as minitp.layout.group_lists and minitp.mesh.Mesh, "
+    passed(name, f"8 processes, {len(layouts)} layouts: members as minitp.grid.group_lists and minitp.mesh.Mesh, "
                  "each group adds exactly its members")

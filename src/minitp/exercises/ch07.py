@@ -155,7 +155,7 @@ def check_ring_attention(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
                 "then into the running (m, row_sum, acc), and the output is acc / row_sum after the last; "
                 "check that the block you compute with is the one received (after wait), and that none is used twice.")
         for tr in results.traces:
-            sends = [e for e in tr.comm() if e.op == "send" and e.label.startswith(ANSWER)]
+            sends = [e for e in tr.comm() if e.op == "send" and ANSWER in e.scopes]
             nxt = (tr.rank + 1) % n
             if not sends:
                 raise ExerciseError(f"{name}: the output is right but no send was traced. Pass the blocks with "

@@ -176,7 +176,7 @@ def check_dispatch(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
                     f"{tuple(want_rows.shape)}: every rank's rows for experts {EXPERTS // n * rank}.."
                     f"{EXPERTS // n * (rank + 1) - 1}, in source-rank order. {hint}")
         for tr in results.traces:
-            ops = [e.op for e in tr.comm() if e.label.startswith(ANSWER)]
+            ops = [e.op for e in tr.comm() if ANSWER in e.scopes]
             if ops != ["all_to_all", "all_to_all"]:
                 raise ExerciseError(
                     f"{name}: the rows are right, but rank {tr.rank} sent {ops or 'nothing traced'}. Use "

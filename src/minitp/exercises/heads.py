@@ -80,19 +80,24 @@ def _library(weights, x, probe, n_heads: int, n_kv_heads: int):
     return out.detach()
 
 
+def _config(n_heads: int, n_kv_heads: int) -> str:
+    """The name of the scope one configuration's answer runs in."""
+    return f"{n_heads}_{n_kv_heads}"
+
+
 def _worker(fn, configs, with_kv: bool):
     results = []
     for n_heads, n_kv_heads in configs:
         x, weights, probe = _setup(n_heads, n_kv_heads)
         x = x.requires_grad_(True)
         weights = [w.clone().requires_grad_(True) for w in weights]
-        with trace.scope(f"{ANSWER}/{n_heads}_{n_kv_heads}"):
+        with trace.scope(ANSWER, _config(n_heads, n_kv_heads)):  # labels "answer/4_2/..."
             args = (x, *weights, n_heads) + ((n_kv_heads,) if with_kv else ()) + (None,)
             out = fn(*args)
             if isinstance(out, torch.Tensor) and out.shape == x.shape:
                 with trace.scope("backward"):
                     (out * probe).sum().backward()
-        with trace.scope(f"library/{len(results)}"):
+        with trace.scope("library", str(len(results))):
             library = _library([w.detach() for w in weights], x.detach().requires_grad_(True), probe,
                                n_heads, n_kv_heads)
         results.append({"out": out.detach() if isinstance(out, torch.Tensor) else out,
@@ -139,7 +144,7 @@ def check_heads(fn, name: str, configs, nprocs, with_kv: bool, timeout: float = 
                     if _diff(out, own) <= TOL:
                         raise ExerciseError(f"{where}: the output is this rank's heads' share only: the partial "
                                             "sums of wo's columns are never added up. End the region with g "
-                                            "(comm.reduce_from_parallel), an all-reduce in forward.")
+                                            "(regions.reduce_from_parallel), an all-reduce in forward.")
                     grouped = "" if n_kv == n_heads else (
                         " Query head j reads key/value head j // (H/Hkv): rank r holds query heads "
                         "[r·H/n, (r+1)·H/n) and key/value heads [r·Hkv/n, (r+1)·Hkv/n), each repeated "
@@ -149,7 +154,7 @@ def check_heads(fn, name: str, configs, nprocs, with_kv: bool, timeout: float = 
                 if _diff(r["x_grad"], x.grad) > TOL:
                     raise ExerciseError(f"{where}: the output is right but dL/dx is not: each rank's backward "
                                         "gives only its heads' share of x's gradient. Start the region with f "
-                                        "(comm.copy_to_parallel): identity forward, all-reduce backward.")
+                                        "(regions.copy_to_parallel): identity forward, all-reduce backward.")
                 if _diff(r["out"], r["library"]) > TOL:  # pragma: no cover - the library matches one process
                     raise ExerciseError(f"{where}: differs from minitp.tp.ParallelAttention.")
             for i, wname in enumerate(("wq", "wk", "wv", "wo")):
@@ -178,17 +183,17 @@ def _partial(x, weights, n_heads, n_kv, q_rows: slice, n: int) -> torch.Tensor:
 def _check_messages(name: str, results, configs, n: int) -> None:
     activation = B * S * D * 4
     for ci, (n_heads, n_kv) in enumerate(configs):
-        scope = f"{ANSWER}/{n_heads}_{n_kv}"
-        events = [e for e in results.traces[0].comm() if e.label.startswith(scope)]
-        forward = [e for e in events if not e.label.startswith(scope + "/backward")]
-        backward = [e for e in events if e.label.startswith(scope + "/backward")]
+        events = [e for e in results.traces[0].comm() if e.within(ANSWER, _config(n_heads, n_kv))]
+        forward = [e for e in events if not e.within(ANSWER, _config(n_heads, n_kv), "backward")]
+        backward = [e for e in events if e.within(ANSWER, _config(n_heads, n_kv), "backward")]
         for when, got in (("forward", forward), ("backward", backward)):
             ops = [(e.op, e.bytes) for e in got]
             if ops != [("all_reduce", activation)]:
                 raise ExerciseError(f"{name}: the values are right, but rank 0's {when} sent {ops or 'nothing'}; "
                                     f"expected one all-reduce of the (B, S, D) activation, {activation} bytes. "
                                     "Each head's work stays on its rank: the only messages are f's and g's.")
-        sent, library = results.traces[0].sent_bytes(scope), results.traces[0].sent_bytes(f"library/{ci}")
+        sent = sum(e.sent_bytes for e in events)
+        library = sum(e.sent_bytes for e in results.traces[0].comm() if e.within("library", str(ci)))
         if sent != library:  # pragma: no cover - follows from the two all-reduces above
             raise ExerciseError(f"{name}: rank 0 sent {sent:g} bytes, minitp.tp.ParallelAttention {library:g}.")
 

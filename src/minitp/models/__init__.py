@@ -1,6 +1,8 @@
-"""Plain models (no parallel code inside), synthetic data and the one-process reference."""
+"""Plain models, with no parallel code inside: the dense LLaMA-style model here; the mixture of experts
+in ``minitp.models.moe``; synthetic data, the optimizer and the one-process reference in
+``minitp.models.train``."""
 
-from minitp.models.llama import (
+from minitp.models.llama import (  # noqa: F401  (re-exported: the dense model)
     LLAMA3_8B,
     LLAMA3_70B,
     PRESETS,
@@ -19,24 +21,3 @@ from minitp.models.llama import (
     loss_fn,
     rms_norm,
 )
-from minitp.models.moe import (
-    MIXTRAL_8X7B,
-    MOE_PRESETS,
-    TINY_MOE,
-    MoEConfig,
-    MoEFeedForward,
-    Routing,
-    build_moe_model,
-    moe_config,
-    moe_loss,
-)
-from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
-
-__all__ = [
-    "ModelConfig", "TINY", "LLAMA3_8B", "LLAMA3_70B", "PRESETS", "get_config",
-    "RMSNorm", "rms_norm", "Attention", "FeedForward", "TransformerBlock", "Transformer", "KVCache",
-    "build_model", "generate", "greedy_token", "loss_fn",
-    "TrainConfig", "synthetic_batches", "make_optimizer", "train_reference",
-    "MoEConfig", "TINY_MOE", "MIXTRAL_8X7B", "MOE_PRESETS", "moe_config", "MoEFeedForward", "Routing",
-    "build_moe_model", "moe_loss",
-]

@@ -119,7 +119,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, attend=None) -> torch.Tensor:
+        # attend: how q, k, v become the output (default: this layer's causal attention); context
+        # parallel passes its ring here (``minitp.cp``), with no change to the layer
         B, S, _ = x.shape
         # The head counts come from the weights, so a layer holding a slice of the heads works as is.
         n_heads, n_kv = self.wq.out_features // self.head_dim, self.wk.out_features // self.head_dim
@@ -130,23 +132,29 @@ class Attention(nn.Module):
         if cache is not None:  # generation: append this step's keys and values to the cache
             k, v = cache.update(k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, Dh); k, v: (B, Hkv, Sk, Dh)
-        out = self.attend(q, k, v)  # (B, H, S, Dh)
+        out = (attend or self.attend)(q, k, v)  # (B, H, S, Dh)
         return self.wo(out.transpose(1, 2).reshape(B, S, n_heads * self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(Dh)) v under the causal mask: the one step of the layer that mixes
-        positions. Context parallel puts its ring in place of it, per layer (``minitp.cp``).
-        q: (B, H, S, Dh); k, v: (B, Hkv, Sk, Dh), the last S of the Sk keys at q's positions."""
-        n_heads, n_kv = q.shape[1], k.shape[1]
-        if n_kv != n_heads:  # grouped-query attention: each key/value head serves H/Hkv query heads
-            k = k.repeat_interleave(n_heads // n_kv, dim=1)
-            v = v.repeat_interleave(n_heads // n_kv, dim=1)
-        S, Sk = q.shape[2], k.shape[2]
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, S, Sk)
-        # causal mask: query i (at absolute position Sk-S+i) sees keys 0..Sk-S+i
-        mask = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - S)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return scores.softmax(dim=-1) @ v  # (B, H, S, Dh)
+        positions (``causal_attention``). Context parallel passes its ring in place of it
+        (``forward(attend=)``, ``minitp.cp``)."""
+        return causal_attention(q, k, v)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh)) v under the causal mask.
+    q: (B, H, S, Dh); k, v: (B, Hkv, Sk, Dh), the last S of the Sk keys at q's positions."""
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    if n_kv != n_heads:  # grouped-query attention: each key/value head serves H/Hkv query heads
+        k = k.repeat_interleave(n_heads // n_kv, dim=1)
+        v = v.repeat_interleave(n_heads // n_kv, dim=1)
+    S, Sk = q.shape[2], k.shape[2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, S, Sk)
+    # causal mask: query i (at absolute position Sk-S+i) sees keys 0..Sk-S+i
+    mask = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - S)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v  # (B, H, S, Dh)
 
 
 class FeedForward(nn.Module):
@@ -171,8 +179,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, attend=None, recompute=None):
+        # recompute: None, or how to run the block so that backward recomputes its activations,
+        # (forward, *args) -> output (FSDP's checkpointing, ``minitp.activations``' recomputation)
+        if recompute is not None:
+            return recompute(self.compute, x, cos, sin, cache, attend)
+        return self.compute(x, cos, sin, cache, attend)
+
+    def compute(self, x, cos, sin, cache=None, attend=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, attend)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -189,14 +204,16 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, caches=None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        # tokens: (B, S) -> logits (B, S, V); positions: (S,) where they are not start_pos.. (see run_blocks)
+                positions: torch.Tensor | None = None, attend=None, recompute=None) -> torch.Tensor:
+        # tokens: (B, S) -> logits (B, S, V); positions: (S,) where they are not start_pos.., attend: the
+        # attention of every block when not its own, recompute: how blocks recompute (see run_blocks)
         h = self.tok_embeddings(tokens)  # (B, S, D); (B, S/tp, D) under sequence parallel
         S = tokens.shape[1] if positions is None else int(positions.max()) + 1  # the positions RoPE reaches
-        return self.output(self.norm(self.run_blocks(h, start_pos, caches, S, positions)))  # (B, S, V)
+        h = self.run_blocks(h, start_pos, caches, S, positions, attend, recompute)
+        return self.output(self.norm(h))  # (B, S, V)
 
     def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None, seq_len: int | None = None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, attend=None, recompute=None) -> torch.Tensor:
         """The blocks, in order, on hidden states h (B, S, D) at positions start_pos.. -> (B, S, D).
 
         It reads only ``layers`` (block i by its name, ``layers.i``), the rope tables and ``config``,
@@ -204,7 +221,9 @@ class Transformer(nn.Module):
         (``minitp.pp.PipelineStage``). seq_len: the positions S the rope tables cover, when h holds
         fewer (tensor parallel's sequence parallel keeps S/tp of them between attention and MLP).
         positions: (S,) the positions h holds when they are not start_pos.. in order (context
-        parallel's chunks of a longer sequence, ``seq_len`` positions in all)."""
+        parallel's chunks of a longer sequence, ``seq_len`` positions in all). attend: (q, k, v) -> out,
+        what every block's attention runs in place of its own (context parallel's ring). recompute:
+        see ``TransformerBlock.forward``."""
         S, limit = seq_len or h.shape[1], self.config.max_seq_len
         if start_pos + S > limit:
             where = f"of {S} positions" if start_pos == 0 else f"reaching position {start_pos + S}"
@@ -214,7 +233,7 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.rope_cos[start_pos:start_pos + S], self.rope_sin[start_pos:start_pos + S]
         for name, block in self.layers.named_children():  # "0", "1", ...; a stage's: "2", "3"
-            h = block(h, cos, sin, None if caches is None else caches[int(name)])
+            h = block(h, cos, sin, None if caches is None else caches[int(name)], attend, recompute)
         return h
 
 

@@ -140,7 +140,29 @@ def combine(expert_out: torch.Tensor, routing: Routing) -> torch.Tensor:
     return (routing.gate.unsqueeze(-1).to(expert_out.dtype) * expert_out).sum(dim=2)
 
 
-class MoEFeedForward(nn.Module):
+class RoutedFeedForward(nn.Module):
+    """What every MoE feed-forward is, plain or expert parallel (``minitp.ep``): a router whose last
+    routing (``routing``), auxiliary loss (``aux_loss``) and load per forward (``routed``, ``history``)
+    it keeps. ``moe_layers`` finds the layers by this type."""
+
+    config: MoEConfig
+    top_k: int
+    router: nn.Linear
+    routing: Routing | None
+    aux_loss: torch.Tensor | None
+    history: list[torch.Tensor]
+    routed: list[torch.Tensor]
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Route x (B, S, D); remember the routing and the auxiliary loss."""
+        routing = route(self.router(x), self.top_k, self.config.capacity(x.shape[1]))
+        self.routing, self.aux_loss = routing, load_balancing_loss(routing)
+        self.history.append(routing.kept_per_expert())
+        self.routed.append(routing.routed_per_expert())
+        return routing
+
+
+class MoEFeedForward(RoutedFeedForward):
     """Router + E SwiGLU experts, in place of a block's ``feed_forward``. Keeps the last forward's
     routing (``routing``), its auxiliary loss (``aux_loss``), and per forward the assignments each
     expert was chosen for (``routed``) and kept (``history``), (E,) each, for figures and formulas."""
@@ -155,14 +177,6 @@ class MoEFeedForward(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.history: list[torch.Tensor] = []
         self.routed: list[torch.Tensor] = []
-
-    def route(self, x: torch.Tensor) -> Routing:
-        """Route x (B, S, D); remember the routing and the auxiliary loss."""
-        routing = route(self.router(x), self.top_k, self.config.capacity(x.shape[1]))
-        self.routing, self.aux_loss = routing, load_balancing_loss(routing)
-        self.history.append(routing.kept_per_expert())
-        self.routed.append(routing.routed_per_expert())
-        return routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
@@ -182,7 +196,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The model's MoE feed-forward layers (plain or expert-parallel), in block order (a pipeline
     stage's: the blocks it holds)."""
     blocks = [block for _, block in model.layers.named_children()]
-    return [block.feed_forward for block in blocks if hasattr(block.feed_forward, "aux_loss")]
+    return [block.feed_forward for block in blocks if isinstance(block.feed_forward, RoutedFeedForward)]
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

@@ -8,11 +8,12 @@ import time
 
 import torch
 
-from minitp import cost, progress
+from minitp import calibrate, cost
 from minitp import trace as _trace
-from minitp.launch import RANK_MEMORY_BYTES, check_launch
-from minitp.launch_guard import available_memory
-from minitp.models import TrainConfig, get_config, loss_fn
+from minitp.launcher import RANK_MEMORY_BYTES, check_launch, progress
+from minitp.launcher.guard import available_memory
+from minitp.models import get_config, loss_fn
+from minitp.models.train import TrainConfig
 from minitp.references import full_batch, max_abs_diff
 from minitp.registry import OptionError, check_options
 from minitp.report import Report
@@ -112,10 +113,17 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
                      device: cost.Device | None = None) -> tuple[float | None, str | None]:
     """The time model's step for this run (``cost.step_time`` in fp32 on this machine's stored
     calibration, or ``device``), and why there is none when there is none. No calibration is made
-    here: it takes seconds and would disturb the run it predicts; ``minitp calibrate`` stores one."""
-    device = device or cost.this_machine()
+    here: it takes seconds and would disturb the run it predicts; ``minitp calibrate`` stores one.
+    A stored calibration the time model cannot use is set aside with its note ("ignored: ...")."""
     if device is None:
-        return None, f"this machine is not calibrated (minitp calibrate; it reads {cost.calibration_path()})"
+        cal, why = calibrate.read_calibration()
+        if cal is None:
+            path = calibrate.calibration_path()
+            if why:  # what was stored cannot time a step: say so, and where it lies
+                where = "" if path in why else f" (in {path})"
+                return None, f"{why}{where}; minitp calibrate measures this machine again"
+            return None, f"this machine is not calibrated (minitp calibrate; it reads {path})"
+        device = cost.device_from_calibration(cal)
     if strategy == "swiglu":
         return None, "the MLP alone is not a whole model; the time model predicts whole models"
     ep = layout.get("ep", 1)

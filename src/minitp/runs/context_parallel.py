@@ -6,9 +6,10 @@ import time
 
 from minitp import cost, cp, layout
 from minitp import trace as _trace
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.memory import held_bytes
-from minitp.models import TrainConfig, build_model, get_config, loss_fn, make_optimizer, synthetic_batches
+from minitp.models import build_model, get_config, loss_fn
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
 from minitp.references import full_batch
 from minitp.registry import Option, Strategy, register
 from minitp.report import Report
@@ -28,13 +29,14 @@ def _cp_worker(model_name: str, train: TrainConfig, balanced: bool, attention: s
         with _trace.span("forward"):
             value = loss_fn(step_model(shard(tokens)), shard(targets))  # the mean over this rank's S/cp
         with _trace.span("backward"):
-            value.backward()
-            cp.all_reduce_gradients(model.parameters(), None)  # the mean of the ranks' means: the global mean
+            value.backward()  # ends with the mean of the ranks' gradients over cp: the global mean's
         with _trace.span("optimizer"):
             optimizer.step()
         times.append(time.perf_counter() - t0)
         losses.append(value.item())
-    ring = [e for e in _trace.current().comm() if e.label.startswith(("cp/ring", "cp/ulysses"))]
+    # the attention's messages: the ring's sends and receives, or Ulysses' all-to-alls (the gradients' mean
+    # over cp is the one all-reduce)
+    ring = [e for e in _trace.current().comm() if e.op in ("send", "recv", "all_to_all")]
     return worker_summary(losses, times, held_bytes(model.parameters(), optimizer), state=state_of(model),
                           ring_bytes=sum(e.sent_bytes for e in ring))
 

@@ -7,9 +7,10 @@ import torch
 from minitp import cost, layout
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel, unit_numels
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.memory import held_bytes
-from minitp.models import TrainConfig, build_model, get_config, make_optimizer, synthetic_batches
+from minitp.models import build_model, get_config
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
 from minitp.references import max_abs_diff, microbatched
 from minitp.registry import Option, Strategy, register
 from minitp.report import PARAM_TOLERANCE, Report

@@ -10,9 +10,11 @@ import torch
 
 from minitp import cost, layout, pp
 from minitp import trace as _trace
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.memory import held_bytes
-from minitp.models import TrainConfig, build_model, get_config, make_optimizer, synthetic_batches
+from minitp.models import build_model, get_config
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
+from minitp.pp_schedules import SCHEDULES
 from minitp.registry import Option, Strategy, register
 from minitp.report import Report
 from minitp.runs.common import build_report, check_run, worker_summary
@@ -115,6 +117,6 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
 
 register(Strategy("pp", run_pp, "pipeline parallel: one stage of blocks per rank, micro-batches on a schedule", (
     Option("microbatches", int, 8, "micro-batches per step", low=1),
-    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb")),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
     Option("virtual_stages", int, 1, "chunks per rank (interleaved only; 1 means 2 there)", low=1),
 )))

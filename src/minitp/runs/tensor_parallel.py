@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from minitp import cost, layout, tp
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.memory import held_bytes
-from minitp.models import TrainConfig, build_model, get_config, make_optimizer, synthetic_batches
+from minitp.models import build_model, get_config
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
 from minitp.references import swiglu, swiglu_batches
 from minitp.registry import Option, Strategy, register
 from minitp.report import Report

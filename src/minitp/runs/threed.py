@@ -6,14 +6,16 @@ import os
 import time
 from dataclasses import replace
 
-from minitp import checkpoint, cost, layout
+from minitp import checkpoint, cost, grid, layout
 from minitp import trace as _trace
 from minitp.ep import full_state as ep_full_state
-from minitp.launch import launch
+from minitp.launcher import launch
 from minitp.mesh import Mesh
-from minitp.models import TrainConfig, build_model, get_config, synthetic_batches
+from minitp.models import build_model, get_config
 from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers
+from minitp.models.train import TrainConfig, synthetic_batches
 from minitp.parallel3d import Parallel3D, unshard_3d
+from minitp.pp_schedules import SCHEDULES
 from minitp.references import full_batch
 from minitp.registry import COMMON, Option, Strategy, register
 from minitp.report import Report
@@ -23,8 +25,8 @@ from minitp.runs.expert_parallel import moe_reference
 
 def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, start_step: int,
                resume_from: str | None, save_to: str | None) -> dict:
-    cfg = get_config(model_name) if options.get("ep", 1) == 1 else options.pop("moe")
-    mesh = Mesh(shape["dp"], shape["pp"], shape["tp"])
+    cfg = options.pop("moe", None) or get_config(model_name)
+    mesh = Mesh(shape["dp"], shape["pp"], shape["tp"], cp=shape["cp"], ep=shape["ep"])
     built = build_moe_model(cfg, seed=train.seed) if isinstance(cfg, MoEConfig) else build_model(cfg, seed=train.seed)
     par = Parallel3D(built, mesh, lr=train.lr, **options)
     if resume_from:
@@ -57,7 +59,7 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
 def _bytes_by_dim(events) -> dict[str, float]:
     """Bytes sent over each mesh dimension (the dimension each event's process group was named)."""
     sent = {dim: row["sent_bytes"] for (dim,), row in _trace.totals(events, by=("dim",)).items()}
-    return {dim: sent.get(dim, 0.0) for dim in layout.DIMS + tuple(d for d in ("cp", "ep") if d in sent)}
+    return {dim: sent.get(dim, 0.0) for dim in layout.AXES + tuple(d for d in ("cp", "ep") if d in sent)}
 
 
 def _check_output_folder(name: str, path: str | None) -> None:
@@ -100,32 +102,20 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     nproc = dp * cp * pp * tp if nproc is None else nproc
     train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
     cfg = get_config(model)
-    layout.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
+    grid.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
     if cp > 1:
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
+    data_parallel = "fsdp" if fsdp else "ddp"
+    v = virtual_stages or (2 if schedule == "interleaved" else 1)
+    grid.check_composition(dp, pp, tp, cp, ep, data_parallel, schedule, v)
     moe = None
     if ep > 1:
-        if tp > 1 or cp > 1 or fsdp or (pp > 1 and schedule == "interleaved"):
-            raise ValueError(f"ep={ep} composes with dp (DDP) and pp: tp must be 1, without --cp, --fsdp or the "
-                             f"interleaved schedule (got tp={tp}, cp={cp}, fsdp={fsdp}, schedule={schedule!r})")
-        layout.check_divisible("dp", dp, "ep", ep, ": each run of ep dp ranks shares one set of experts")
         layout.check_divisible("experts", experts, "ep", ep, ": every rank holds experts/ep of them")
         moe = moe_config(cfg, n_experts=experts)
-    data_parallel = "fsdp" if fsdp else "ddp"
-    zero = layout.check_zero(data_parallel, zero, pp)
-    v = virtual_stages or (2 if schedule == "interleaved" else 1)
+    zero = grid.check_zero(data_parallel, zero, pp)
     if v > 1:
-        if schedule != "interleaved":
-            raise ValueError(f"virtual_stages={v} is for schedule='interleaved', got schedule={schedule!r}")
-        if pp == 1 or fsdp:
-            raise ValueError(f"schedule='interleaved' needs pp > 1 and DDP (got pp={pp}, fsdp={fsdp})")
         layout.stage_blocks(cfg.n_layers, pp * v)  # refuses more pieces than blocks, here in the parent
-    elif schedule == "interleaved":
-        raise ValueError("schedule='interleaved' needs virtual_stages >= 2 chunks per rank, got 1")
-    if fsdp and pp > 1 and schedule == "zb":
-        raise ValueError("schedule='zb' with fsdp: FSDP's gathered weights are views, and zero-bubble's W needs each "
-                         "linear weight as a parameter of its own; use DDP (no --fsdp) or another schedule")
     if microbatches is None:
         microbatches = batch_size // dp if pp > 1 else 1
     if pp > 1:
@@ -135,13 +125,14 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     start_step = checkpoint.read_index(resume_from)["step"] if resume_from else 0
     if not start_step < steps:
         raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
-    options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule, cp=cp)
+    options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule)
     if v > 1:
         options["virtual_stages"] = v
     if moe is not None:
-        options.update(ep=ep, moe=moe)
-    results = launch(_3d_worker, nproc, model, train, {"dp": dp * cp, "pp": pp, "tp": tp}, options, start_step,
-                     resume_from, save_to, backend=backend, timeout=timeout, echo=False)
+        options["moe"] = moe
+    shape = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep}  # the mesh's dp axis holds dp·cp ranks
+    results = launch(_3d_worker, nproc, model, train, shape, options, start_step, resume_from, save_to,
+                     backend=backend, timeout=timeout, echo=False)
     ran = steps - start_step
     if moe is not None:
         return _ep_report(moe, dp, ep, pp, results, model, train, start_step, resume_from, save_to,
@@ -165,7 +156,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     # each replica's whole model, from its stages' tp slices
     replicas = []
     for d in range(dp * cp):  # with cp, each replica's cp ranks hold the same parameters
-        shards = [[results[layout.rank_of(d, s, t, pp, tp)]["shards"] for t in range(tp)] for s in range(pp)]
+        shards = [[results[grid.rank_of(d, s, t, pp, tp)]["shards"] for t in range(tp)] for s in range(pp)]
         replicas.append(unshard_3d(shards))
     per_rank = [{**{k: v for k, v in r.items() if k != "shards"}, "state": replicas[r["coords"][0]]} for r in results]
     ref_losses, ref_state = full_batch(cfg, train)
@@ -193,7 +184,7 @@ def _ep_report(cfg: MoEConfig, dp: int, ep: int, pp: int, results, model: str, t
         dense, experts = cost.ep_stage_unit_numels(cfg, 1, pp, stage, ep)
         pp_bytes = steps * cost.pp_step_bytes(rows, train.seq_len, cfg.dim, pp, stage)
         for first in range(0, dp, ep):  # one ep group: dp ranks first .. first+ep-1 of this stage
-            ranks = [layout.rank_of(d, stage, 0, pp, 1) for d in range(first, first + ep)]
+            ranks = [grid.rank_of(d, stage, 0, pp, 1) for d in range(first, first + ep)]
             group = [results[r] for r in ranks]
             counts = [[[g["kept"][s][j] for g in group] for j in range(len(group[0]["kept"][s]))] for s in range(steps)]
             for i, r in enumerate(ranks):
@@ -207,7 +198,7 @@ def _ep_report(cfg: MoEConfig, dp: int, ep: int, pp: int, results, model: str, t
         d, stage, _ = r["coords"]
         losses = r["losses"]
         if pp > 1 and losses:  # the cross-entropy, plus every stage's auxiliary loss of this replica
-            aux = [sum(results[layout.rank_of(d, q, 0, pp, 1)]["aux"][s] for q in range(pp)) for s in range(steps)]
+            aux = [sum(results[grid.rank_of(d, q, 0, pp, 1)]["aux"][s] for q in range(pp)) for s in range(steps)]
             losses = [loss + cfg.aux_loss_coef * a for loss, a in zip(losses, aux)]
         per_rank.append({**{k: v for k, v in r.items() if k != "shards"}, "losses": losses,
                          "state": replicas[d // ep]})
@@ -236,7 +227,7 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)", low=1,
            optional=True),
-    Option("schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb")),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
     Option("virtual_stages", int, None, "chunks per rank with --schedule interleaved (default 2)", low=1,
            optional=True),
     Option("save_to", str, None, "save a sharded checkpoint into this folder after the last step", metavar="DIR"),

@@ -53,26 +53,23 @@ def attention_work(seq_len: int, cp: int, layouts=(False, True), causal: bool = 
     return fig
 
 
-def _step_of(label: str) -> int | None:
-    """The ring step a label names ("cp/ring/forward/step2" -> 2), None for other labels."""
-    tail = label.rsplit("/", 1)[-1]
-    return int(tail[4:]) if tail.startswith("step") and tail[4:].isdigit() else None
-
-
 def ring_steps(run, prefix: str = "cp/ring/forward", title: str = ""):
     """The ring as it ran, step by step: one lane per rank, one box per step holding the key/value
     block the rank computed with (coloured by the rank it came from, found by following the recorded
-    sends back to step 0, with its compute time), and an arrow for each block sent (with its bytes)."""
+    sends back to step 0, with its compute time), and an arrow for each block sent (with its bytes).
+
+    prefix: draw the events whose label starts with it (the ring's label and the pass, as
+    ``minitp.cp.ring_attention`` named them). Each event's step is its ``Event.ring_step``."""
     traces = sorted((t for t in getattr(run, "traces", run) if t is not None), key=lambda t: t.rank)
     computes, sends = {}, {}
     for t in traces:
         for e in t.events:
-            if not e.label.startswith(prefix) or _step_of(e.label) is None:
+            if not e.labelled(prefix) or e.ring_step is None:
                 continue
             if e.kind == "compute":
-                computes[t.rank, _step_of(e.label)] = e.end - e.start
-            elif e.op == "send":
-                sends[t.rank, _step_of(e.label)] = e
+                computes[t.rank, e.ring_step] = e.end - e.start
+            elif e.op == "send":  # the block; in backward its gradients follow it, sent after it
+                sends.setdefault((t.rank, e.ring_step), e)
     if not computes:
         raise ValueError(f"no compute labelled {prefix!r}... in the trace: was ring attention run under it?")
     ranks = [t.rank for t in traces]
@@ -94,7 +91,7 @@ def ring_steps(run, prefix: str = "cp/ring/forward", title: str = ""):
         ax.text(s, lane[r] + 0.07, what, ha="center", va="center", fontsize=8, color="white", weight="bold")
         ax.text(s, lane[r] - 0.15, f"{seconds * 1e3:.1f} ms", ha="center", va="center", fontsize=7, color="white")
     for (r, s), e in sends.items():
-        if e.peer in lane:
+        if e.peer in lane and s + 1 < steps:  # a block sent on to the next step (not the gradients' last hop)
             ax.annotate("", xy=(s + 1 - 0.33, lane[e.peer]), xytext=(s + 0.33, lane[r]),
                         arrowprops=dict(arrowstyle="->", color=style.OP_COLORS["send"], lw=1.3), gid=f"send:{r}:{s}")
             ax.text(s + 0.5, (lane[r] + lane[e.peer]) / 2 + 0.12, format_bytes(e.bytes), fontsize=7,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minitp import progress as _progress
+from minitp.launcher import progress as _progress
 
 LIVE_ENV = "MINITP_LIVE"  # set by `make lab`: skip the stored grid, the learner has a kernel
 DEBOUNCE_S = 0.4  # a change waits this long for the next one before a run starts
@@ -367,4 +367,44 @@ def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls:
     return explorer
 
 
-__all__ = ["Control", "Explorer", "explore", "render", "stored_twins", "twin_texts", "LIVE_ENV"]
+# -- the planner as a control: nothing launched, each setting one call of minitp.plan.plan ---------------
+def plan_explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0,
+                  static: dict | None = None) -> Explorer:
+    """``minitp.plan.plan`` as a control: pick a model, GPUs, memory per GPU, FSDP or DDP and how
+    activations are kept (replicated norms, sequence parallel, full recomputation,
+    ``minitp.plan.ACTIVATIONS``); the table of layouts (all of them, fitting first) follows. Nothing is
+    launched: a setting is one call of ``plan``. Display it: a live panel in JupyterLab (needs
+    ``ipywidgets``, the course extra); in a stored notebook, a static twin over ``static`` (default:
+    this model, GPUs and memory, both data parallels and the three ways of keeping activations)."""
+    from minitp import plan
+    from minitp.models import PRESETS
+
+    def run(model, gpus, gpu_memory_gib, data_parallel, activations):  # the planner's rows, nothing launched
+        recompute, sequence_parallel = plan.ACTIVATIONS[activations]
+        cfg = PRESETS[model]
+        return plan.plan(cfg, gpus, gpu_memory_gib, seq_len=min(cfg.max_seq_len, 8192), data_parallel=data_parallel,
+                         recompute=recompute, sequence_parallel=sequence_parallel, include_unfit=True)
+
+    def draw(rows, setting):
+        cfg = PRESETS[setting["model"]]
+        fit = sum(r["fits"] for r in rows)
+        return plan.format_plan(rows, f"{setting['model']}: {cfg.num_params() / 1e9:.2f} B parameters, sequences of "
+                                      f"{min(cfg.max_seq_len, 8192)}; {fit} of {len(rows)} layouts fit "
+                                      f"{setting['gpu_memory_gib']} GiB per GPU")
+
+    memory = list(range(8, 200, 8))  # GiB per GPU
+    controls = {
+        "model": Control(list(PRESETS), value=model),
+        "gpus": Control([2**k for k in range(1, 12)], value=gpus, label="GPUs"),
+        "gpu_memory_gib": Control(memory, value=next((m for m in memory if m == gpu_memory_gib), gpu_memory_gib),
+                                  label="GiB per GPU"),
+        "data_parallel": Control(["fsdp", "ddp"], label="data parallel"),
+        "activations": Control(list(plan.ACTIVATIONS), label="activations"),
+    }
+    default = {"data_parallel": ["fsdp", "ddp"], "activations": list(plan.ACTIVATIONS)}
+    return explore(run, draw, controls, title="the planner (minitp.plan)",
+                   static=default if static is None else static,
+                   note="each one call of minitp.plan.plan (nothing is launched), stored when this page was made")
+
+
+__all__ = ["Control", "Explorer", "explore", "plan_explorer", "render", "stored_twins", "twin_texts", "LIVE_ENV"]

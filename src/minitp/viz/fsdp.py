@@ -78,13 +78,6 @@ def shard_map(layouts: list[list[dict]], *, title: str = "", width: float = 8.0)
 
 
 # -- the gather -> compute -> free cycle -------------------------------------------------------------
-def _unit_of(label: str) -> tuple[str, str]:
-    """'cycle/fsdp/layers.1/all_gather.forward' -> ('layers.1', 'all_gather.forward')."""
-    parts = label.split("/")
-    i = parts.index("fsdp")
-    return parts[i + 1], "/".join(parts[i + 2:])
-
-
 def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", width: float = 8.0,
                reshard_after_forward: bool = True):
     """For one rank, one row per unit: when its full parameters were gathered (green), used (grey:
@@ -92,34 +85,35 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
     behind them, how long the full parameters existed on the rank, from the start of each gather
     until they were freed.
 
-    run: launch Results, Traces or Events of a ZeRO-3 step (``minitp.fsdp`` labels, optionally under
-    ``label_prefix``). Compute spans are events of kind "compute" labelled
-    ``.../fsdp/<unit>/compute.<phase>``. When a unit is freed comes from the library's rule: after
-    its forward when the run resharded after forward (``reshard_after_forward``, as the run was
-    built; the root stays), and in backward as soon as its reduce-scatter has been started.
+    run: launch Results, Traces or Events of a ZeRO-3 step (``minitp.fsdp``'s messages, which carry
+    their unit and phase, ``Event.unit`` and ``Event.phase``; only those whose label starts with
+    ``label_prefix`` when it is given). Compute spans are events of kind "compute" with their unit
+    and phase set (``trace.tagged(unit=..., phase=...)`` around them, or the fields of the Event).
+    When a unit is freed comes from the library's rule: after its forward when the run resharded
+    after forward (``reshard_after_forward``, as the run was built; the root stays), and in backward
+    as soon as its reduce-scatter has been started.
     """
-    events = [e for e in collect_events(run) if e.rank == rank and e.label.startswith(label_prefix)
-              and "/fsdp/" in "/" + e.label and e.kind in ("comm", "compute")]
-    events = [e for e in events if "state_dict" not in e.label and not e.label.endswith(".step")]
+    events = [e for e in collect_events(run) if e.rank == rank and e.labelled(label_prefix)
+              and e.unit and e.kind in ("comm", "compute")]
+    events = [e for e in events if e.phase not in ("step", "state_dict")]  # the step itself: forward and backward
     if not events:
         raise ValueError(f"no fsdp events of rank {rank} under {label_prefix!r}; was the run traced?")
     t0 = min(e.start for e in events)
     units: list[str] = []
     for e in sorted(events, key=lambda e: e.start):
-        unit, _ = _unit_of(e.label)
-        if unit not in units:
-            units.append(unit)
+        if e.unit not in units:
+            units.append(e.unit)
     ms = lambda t: (t - t0) * 1e3  # noqa: E731
     fig = figure(width, 0.45 * len(units) + 1.1)
     ax = fig.add_subplot()
     for row, unit in enumerate(units):
         y = len(units) - 1 - row
-        mine = sorted((e for e in events if _unit_of(e.label)[0] == unit), key=lambda e: e.start)
+        mine = sorted((e for e in events if e.unit == unit), key=lambda e: e.start)
         gathers = [e for e in mine if e.op == "all_gather"]
         computes = [e for e in mine if e.kind == "compute"]
         reduces = [e for e in mine if e.op == "reduce_scatter"]
         for g in gathers:
-            phase = _unit_of(g.label)[1].split(".")[-1]
+            phase = g.phase
             ends = [c.end for c in computes if c.op == "forward" and c.start >= g.start]
             if phase == "forward" and unit != "root" and ends and reshard_after_forward:
                 freed = min(ends)
@@ -133,7 +127,7 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
             if e.kind == "compute":
                 color, h, gid = OP_COLORS["compute"], 0.35, f"compute:{unit}:{e.op}"
             else:
-                color, h, gid = OP_COLORS.get(e.op, "#444444"), 0.5, f"{e.op}:{unit}:{_unit_of(e.label)[1]}"
+                color, h, gid = OP_COLORS.get(e.op, "#444444"), 0.5, f"{e.op}:{unit}:{e.phase}"
             ax.barh(y, max(ms(e.end) - ms(e.start), 0.05), h, left=ms(e.start), color=color,
                     edgecolor="black", linewidth=0.3, gid=gid)
     ax.set_yticks(range(len(units)), list(reversed(units)))
@@ -155,8 +149,9 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
 
 # -- bytes per stage --------------------------------------------------------------------------------
 def sent_by_op(run, label_prefix: str, rank: int = 0) -> dict[str, float]:
-    """Bytes ``rank`` sent (ring model) per collective, over the events under ``label_prefix``."""
-    events = [e for e in collect_events(run) if e.rank == rank and e.label.startswith(label_prefix)]
+    """Bytes ``rank`` sent (ring model) per collective, over the events whose label starts with
+    ``label_prefix`` (e.g. a ``trace.scope`` name)."""
+    events = [e for e in collect_events(run) if e.rank == rank and e.labelled(label_prefix)]
     return {op: row["sent_bytes"] for (op,), row in sorted(totals(events).items())}
 
 
@@ -208,8 +203,9 @@ def bytes_by_stage(sent: dict[str, dict[str, float]], expected: dict[str, float]
 
 
 def phases(events: Iterable[Event]) -> list[str]:
-    """The distinct fsdp message kinds in some events, e.g. ['all_gather.backward', 'reduce_scatter']."""
-    return sorted({_unit_of(e.label)[1] for e in events if e.kind == "comm" and "/fsdp/" in "/" + e.label})
+    """The distinct fsdp message kinds in some events, collective and phase (``Event.phase``), e.g.
+    ['all_gather.backward', 'all_gather.forward', 'reduce_scatter.backward']."""
+    return sorted({f"{e.op}.{e.phase}" for e in events if e.kind == "comm" and e.unit})
 
 
 __all__ = ["shard_map", "unit_cycle", "sent_by_op", "bytes_by_stage", "phases"]

@@ -29,7 +29,7 @@ from minitp.viz.style import RANK_COLORS, figure, rank_color
 from minitp.viz.timeline import collect_events
 from minitp.viz.tp import locate, whole
 
-DIMS = tuple(reversed(layout.DIMS))  # ("tp", "pp", "dp"): fastest first, the order they are drawn in
+AXES = tuple(reversed(layout.AXES))  # ("tp", "pp", "dp"): fastest first, the order they are drawn in
 # a colour per dimension; "fsdp" is what a group handed to FSDP alone (no mesh) is named
 DIM_COLORS = {"tp": "#0072B2", "pp": "#E69F00", "dp": "#009E73", "fsdp": "#CC79A7"}
 
@@ -38,7 +38,7 @@ def dims_present(dims) -> list[str]:
     """The named dimensions among ``dims``, in drawing order: the mesh's fastest first, then any
     other ("fsdp", ...) by name; "" (a group nobody named) is left out."""
     named = {d for d in dims if d}
-    return [d for d in DIMS if d in named] + sorted(named - set(DIMS))
+    return [d for d in AXES if d in named] + sorted(named - set(AXES))
 
 
 def _dim_color(dim: str) -> str:
@@ -65,7 +65,7 @@ def mesh_cube(per_rank: list[dict], *, title: str = "", width: float = 9.0):
     fig = figure(width, 3.2)
     axes = fig.subplots(1, 3)
     names = {"tp": "tensor parallel", "pp": "pipeline", "dp": "data parallel"}
-    for ax, dim in zip(axes, DIMS):
+    for ax, dim in zip(axes, AXES):
         groups: list[list[int]] = []
         for r in per_rank:
             members = list(r["groups"][dim])
@@ -259,4 +259,4 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     return fig
 
 
-__all__ = ["DIMS", "DIM_COLORS", "dims_present", "mesh_cube", "block_shards", "messages_by_dim", "bytes_by_dim"]
+__all__ = ["AXES", "DIM_COLORS", "dims_present", "mesh_cube", "block_shards", "messages_by_dim", "bytes_by_dim"]

@@ -72,7 +72,7 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
     ranks: the ranks to draw (all by default). Times start at 0 at the first event kept.
     lane_height: inches per rank (by default it grows a little with the messages stacked).
     """
-    events = [e for e in collect_events(run) if e.label.startswith(label_prefix) and e.end >= e.start]
+    events = [e for e in collect_events(run) if e.labelled(label_prefix) and e.end >= e.start]
     if ranks is not None:
         keep = set(ranks)
         events = [e for e in events if e.rank in keep]
@@ -83,7 +83,7 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
     t1 = max(e.end for e in events)
     span_ms = max((t1 - t0) * 1e3, 1e-6)
 
-    def shown(label: str) -> str:
+    def shown(label: str) -> str:  # cosmetic: the text drawn, without the prefix every kept label shares
         rest = label[len(label_prefix):].lstrip("/") if label_prefix else label
         return rest or label
 

@@ -233,18 +233,21 @@ def _events(run, rank: int) -> list[Event]:
     return [e for e in items if e.kind == "comm" and e.rank == rank]
 
 
-def phase_of(label: str) -> str:
-    """'backward' for a message autograd sent (its label ends in ``.backward``), else 'forward'."""
-    return "backward" if label.split("/")[-1].endswith("backward") else "forward"
+def phase_of(event: Event) -> str:
+    """'backward' for a message sent in backward (``Event.phase``, set where it was sent: f's
+    all-reduce, split's all-gather, ...), else 'forward'."""
+    return "backward" if event.phase == "backward" else "forward"
 
 
-def _short(label: str, prefix: str) -> str:
-    """A label fit for a small box: without the prefix and the phase ("f.backward" -> "f"), where
-    and what on two lines ("attention/sequence_gather.forward" -> "attention\nsequence_gather")."""
-    shown = label[len(prefix):].lstrip("/") if prefix and label.startswith(prefix) else label
-    where, _, what = shown.rpartition("/")
-    for suffix in (".forward", ".backward"):
-        what = what.removesuffix(suffix)
+def _box_text(event: Event, prefix: str) -> str:
+    """Cosmetic only: the label as drawn in a small box, without the ``label_prefix`` that picked it
+    and without the phase the box's row already shows ("f.backward" -> "f"), where and what on two
+    lines ("attention/sequence_gather.forward" -> "attention\nsequence_gather"). Nothing is read from
+    the text: the row comes from ``Event.phase``, and so does the suffix left out."""
+    text = event.label[len(prefix):].lstrip("/") if prefix else event.label
+    where, _, what = text.rpartition("/")
+    if event.phase:
+        what = what.removesuffix(f".{event.phase}")
     return f"{where}\n{what}" if where else what
 
 
@@ -256,9 +259,9 @@ def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
     """
     from matplotlib.patches import FancyBboxPatch
 
-    events = [e for e in _events(run, rank) if e.label.startswith(label_prefix)]
-    rows = {"forward": [e for e in events if phase_of(e.label) == "forward"],
-            "backward": [e for e in events if phase_of(e.label) == "backward"]}
+    events = [e for e in _events(run, rank) if e.labelled(label_prefix)]
+    rows = {"forward": [e for e in events if phase_of(e) == "forward"],
+            "backward": [e for e in events if phase_of(e) == "backward"]}
     slots = max(1, *(len(v) for v in rows.values()))
     fig = figure(width, 1.9)
     ax = fig.add_subplot()
@@ -270,7 +273,7 @@ def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
             ax.add_patch(FancyBboxPatch((i + 0.05, y - 0.32), 0.9, 0.64, boxstyle="round,pad=0.02",
                                         facecolor=_lighten(color, 0.35), edgecolor=color,
                                         gid=f"msg:{phase}:{i}:{e.op}"))
-            ax.text(i + 0.5, y, f"{e.op.replace('_', '-')}\n{_short(e.label, label_prefix)}\n{format_bytes(e.bytes)}",
+            ax.text(i + 0.5, y, f"{e.op.replace('_', '-')}\n{_box_text(e, label_prefix)}\n{format_bytes(e.bytes)}",
                     ha="center", va="center", fontsize=6.5)
     ax.set_xlim(0, max(slots, 4))  # narrow boxes even for one message
     ax.set_ylim(1.5, -0.5)

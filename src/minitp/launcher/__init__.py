@@ -46,10 +46,10 @@ from datetime import timedelta
 
 import cloudpickle
 
-from minitp import launch_guard as guard
-from minitp import progress as _progress
 from minitp import trace as _trace
-from minitp.launch_guard import BACKENDS, RANK_MEMORY_BYTES, check_launch, under_torchrun  # noqa: F401
+from minitp.launcher import guard
+from minitp.launcher import progress as _progress
+from minitp.launcher.guard import BACKENDS, RANK_MEMORY_BYTES, check_launch, under_torchrun  # noqa: F401
 
 _GRACE_S = 0.5  # after a rank raises, how long to watch for a rank that died (the likelier cause)
 
@@ -96,13 +96,10 @@ class Results(list):
 
 
 def device():
-    """The device this rank computes on: ``cuda:LOCAL_RANK`` under NCCL, else the CPU."""
-    import torch
-    import torch.distributed as dist
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` under NCCL, else the CPU (``minitp.comm.device``)."""
+    from minitp.comm import device as comm_device
 
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return comm_device()
 
 
 def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float = 120.0,
