@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from minitp import activations, cost
+from minitp import cost
 from minitp import tp as tensor_parallel
 from minitp.launcher import launch
+from minitp.measure import activations
 from minitp.models import TINY, build_model
 
 B, S = 2, 16

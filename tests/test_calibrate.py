@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from minitp import calibrate, cli
+from minitp import cli
+from minitp.measure import calibrate
 from minitp.models import TINY
 from minitp.models.train import TrainConfig
-from minitp.report import Report, format_report
 from minitp.runs.common import predicted_step_s
+from minitp.runs.report import Report, format_report
 
 
 def test_alpha_and_beta_are_recovered_from_all_reduce_times_on_a_line():

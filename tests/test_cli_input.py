@@ -5,8 +5,8 @@ import inspect
 
 import pytest
 
-from minitp import cli, registry, runs
-from minitp.runs import common
+from minitp import cli, runs
+from minitp.runs import common, registry
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from minitp import calibrate, cost, plan
+from minitp import cost, plan
+from minitp.measure import calibrate
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 from minitp.models.moe import moe_config
 from minitp.models.train import TrainConfig

@@ -17,8 +17,8 @@ from minitp.models.moe import (
     moe_loss,
     route,
 )
-from minitp.registry import STRATEGIES, OptionError
 from minitp.runs import run_ep
+from minitp.runs.registry import STRATEGIES, OptionError
 
 
 # -- the traced all-to-all -----------------------------------------------------------------------

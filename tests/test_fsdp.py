@@ -16,11 +16,12 @@ import json
 import pytest
 import torch
 
-from minitp import cli, cost, references, runs
+from minitp import cli, cost, runs
 from minitp.fsdp import FullyShardedDataParallel, plan_units, unit_numels
 from minitp.launcher import launch
 from minitp.models import build_model, get_config, loss_fn
 from minitp.models.train import TrainConfig, synthetic_batches
+from minitp.runs import references
 
 CFG = get_config("tiny")
 TRAIN = TrainConfig(steps=4, batch_size=12)  # 12 splits over 1, 2, 3 and 4 ranks

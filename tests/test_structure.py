@@ -9,7 +9,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 STRATEGIES = ("ddp", "fsdp", "tp", "pp", "cp", "ep")
-ROAD = {"comm", "regions", "trace", "layout", "mesh", "replicas", "memory", "models", "fsdp_units", "pp_schedules"}
+ROAD = {"comm", "regions", "trace", "layout", "mesh", "replicas", "measure", "models", "fsdp_units", "pp_schedules"}
 FORBIDDEN = {"launcher", "runs", "viz", "cost", "plan", "exercises", "checkpoint", "parallel3d", "cli"}
 
 

@@ -1,6 +1,6 @@
-"""minitp.units: the one byte formatter every table and figure uses (decimal units)."""
+"""minitp.viz.format: the one byte formatter every table and figure uses (decimal units)."""
 
-from minitp.units import byte_scale, format_bytes
+from minitp.viz.format import byte_scale, format_bytes
 
 
 def test_format_bytes_uses_decimal_units():

@@ -15,13 +15,14 @@ BLOCKS = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "nor
 
 
 def _worker():
-    from minitp import profile, trace
+    from minitp import trace
     from minitp.ddp import DistributedDataParallel, split_batch
+    from minitp.measure import spans
     from minitp.models import TINY, build_model, loss_fn
     from minitp.models.train import TrainConfig, synthetic_batches
 
     model = build_model(TINY, seed=0)
-    recorder = profile.record_compute(model)
+    recorder = spans.record_compute(model)
     ddp = DistributedDataParallel(model, bucket_mb=0.25)
     tokens, targets = synthetic_batches(TINY, TrainConfig(steps=1, batch_size=4))[0]
     with trace.scope("step"):

@@ -13,7 +13,7 @@
 
 trains the tiny model with a strategy on N local processes, checks it against the one-process
 reference, the traced bytes and the memory formulas, prints a short table and exits non-zero if
-any check fails. The strategies and their options come from ``minitp.registry``: ``minitp run X
+any check fails. The strategies and their options come from ``minitp.runs.registry``: ``minitp run X
 --help`` lists X's. Every value is checked before any process starts; a bad one ends the command
 with one line naming it and what is allowed, and exit code 2.
 """
@@ -27,7 +27,7 @@ import sys
 
 from minitp import runs  # noqa: F401  (registers every strategy)
 from minitp.launcher import LaunchError
-from minitp.registry import STRATEGIES, Option, OptionError, Strategy
+from minitp.runs.registry import STRATEGIES, Option, OptionError, Strategy
 
 
 def _check_output_file(flag: str, path: str | None) -> None:
@@ -137,7 +137,7 @@ PLAN_OPTIONS = (
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from minitp import calibrate
+    from minitp.measure import calibrate
 
     _check_output_file("--json", args.json)
     cal = calibrate.calibrate()

@@ -18,6 +18,10 @@ hop bringing them home. Messages per attention call, with KV = B·Hkv·(S/cp)·D
 values of one rank): forward (cp-1)·2KV, backward (cp-1)·2KV for the blocks plus cp·2KV for their
 gradients (``minitp.cost.cp_attention_bytes``).
 
+Reading order, the textbook core first: this rank's positions, the online softmax and the blocks of
+attention, the ring (``RingAttention``), the model under context parallel (``Context``,
+``ContextParallel``). The extras after: Ulysses' all-to-all way, the measured memory wall.
+
 Shapes: B batch, H query heads, Hkv key/value heads, Dh head dim, S sequence, Sl = S/cp local.
 """
 
@@ -267,59 +271,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return RingAttention.apply(q, k, v, group, seq_len, balanced, causal, label)
 
 
-# -- the other way: all-to-all (DeepSpeed-Ulysses) --------------------------------------------------
-def _heads_to_sequence(x: torch.Tensor, group, inverse: torch.Tensor, label: str) -> torch.Tensor:
-    """(B, Hx, Sl, Dh), every head at this rank's positions -> (B, Hx/n, S, Dh), this rank's n-th of
-    the heads at every position, in sequence order: chunk j of the heads goes to rank j."""
-    n = comm.group_size(group)
-    B, Hx, Sl, Dh = x.shape
-    chunks = x.reshape(B, n, Hx // n, Sl, Dh).transpose(0, 1)  # (n, B, Hx/n, Sl, Dh): chunk j for rank j
-    got = all_to_all_rows(chunks, [1] * n, [1] * n, group, label)  # chunk i: rank i's positions, my heads
-    seq = got.permute(1, 2, 0, 3, 4).reshape(B, Hx // n, n * Sl, Dh)  # positions in rank order
-    return seq.index_select(2, inverse)
-
-
-def _sequence_to_heads(x: torch.Tensor, group, order: torch.Tensor, label: str) -> torch.Tensor:
-    """The inverse: (B, H/n, S, Dh) in sequence order -> (B, H, Sl, Dh) at this rank's positions."""
-    n = comm.group_size(group)
-    B, Hn, S, Dh = x.shape
-    by_rank = x.index_select(2, order).reshape(B, Hn, n, S // n, Dh).permute(2, 0, 1, 3, 4)  # (n, B, H/n, Sl, Dh)
-    got = all_to_all_rows(by_rank, [1] * n, [1] * n, group, label)  # chunk j: rank j's heads, my positions
-    return got.transpose(0, 1).reshape(B, n * Hn, S // n, Dh)
-
-
-class UlyssesAttend:
-    """The all-to-all way to context parallel (DeepSpeed-Ulysses, Jacobs et al. 2023), in place of a
-    layer's ``attend``: an all-to-all turns (every head, S/n positions) into (H/n heads, every
-    position) for q, k and v; the layer's own attention runs on its heads over the whole sequence;
-    a last all-to-all turns the output back. Four all-to-alls forward, their four transposes
-    backward, each sending (n-1)/n of its tensor (``minitp.cost.ulysses_attention_bytes``): the
-    bytes shrink with n, where the ring's do not, but n can be at most the number of key/value heads.
-    ``inner``: the layer's own ``attend``, run on the gathered heads."""
-
-    def __init__(self, inner, group=None, balanced: bool = True):
-        self.inner, self.group, self.balanced = inner, group, balanced
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = comm.group_size(self.group)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
-                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
-        for name, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
-            if heads % n:
-                raise ValueError(f"Ulysses splits the heads over cp: {heads} {name} heads are not divisible by "
-                                 f"cp={n}")
-        seq = q.shape[2] * n
-        order = torch.tensor([p for r in range(n) for p in layout.cp_positions(seq, n, r, self.balanced)],
-                             device=q.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(seq, device=q.device)
-        q, k, v = (_heads_to_sequence(t, self.group, inverse, f"cp/ulysses/{name}") for t, name in
-                   ((q, "q"), (k, "k"), (v, "v")))
-        out = self.inner(q, k, v)  # (B, H/n, S, Dh): the layer's own causal attention, on its heads
-        return _sequence_to_heads(out, self.group, order, "cp/ulysses/out")
-
-
 # -- the model under context parallel (from outside, the torchtitan way) -----------------------------
 class RingAttend:
     """The ring over the cp group, as a layer's attention (``Attention.forward(attend=)``): the
@@ -403,6 +354,59 @@ def replica_share(batch: torch.Tensor, mesh, balanced: bool = True) -> torch.Ten
     layout.check_batch(batch.shape[0], replicas)
     rows = batch.shape[0] // replicas
     return shard_sequence(batch[replica * rows:(replica + 1) * rows], mesh.cp_group, balanced)
+
+
+# -- extras: the other way, all-to-all (DeepSpeed-Ulysses) --------------------------------------------------
+def _heads_to_sequence(x: torch.Tensor, group, inverse: torch.Tensor, label: str) -> torch.Tensor:
+    """(B, Hx, Sl, Dh), every head at this rank's positions -> (B, Hx/n, S, Dh), this rank's n-th of
+    the heads at every position, in sequence order: chunk j of the heads goes to rank j."""
+    n = comm.group_size(group)
+    B, Hx, Sl, Dh = x.shape
+    chunks = x.reshape(B, n, Hx // n, Sl, Dh).transpose(0, 1)  # (n, B, Hx/n, Sl, Dh): chunk j for rank j
+    got = all_to_all_rows(chunks, [1] * n, [1] * n, group, label)  # chunk i: rank i's positions, my heads
+    seq = got.permute(1, 2, 0, 3, 4).reshape(B, Hx // n, n * Sl, Dh)  # positions in rank order
+    return seq.index_select(2, inverse)
+
+
+def _sequence_to_heads(x: torch.Tensor, group, order: torch.Tensor, label: str) -> torch.Tensor:
+    """The inverse: (B, H/n, S, Dh) in sequence order -> (B, H, Sl, Dh) at this rank's positions."""
+    n = comm.group_size(group)
+    B, Hn, S, Dh = x.shape
+    by_rank = x.index_select(2, order).reshape(B, Hn, n, S // n, Dh).permute(2, 0, 1, 3, 4)  # (n, B, H/n, Sl, Dh)
+    got = all_to_all_rows(by_rank, [1] * n, [1] * n, group, label)  # chunk j: rank j's heads, my positions
+    return got.transpose(0, 1).reshape(B, n * Hn, S // n, Dh)
+
+
+class UlyssesAttend:
+    """The all-to-all way to context parallel (DeepSpeed-Ulysses, Jacobs et al. 2023), in place of a
+    layer's ``attend``: an all-to-all turns (every head, S/n positions) into (H/n heads, every
+    position) for q, k and v; the layer's own attention runs on its heads over the whole sequence;
+    a last all-to-all turns the output back. Four all-to-alls forward, their four transposes
+    backward, each sending (n-1)/n of its tensor (``minitp.cost.ulysses_attention_bytes``): the
+    bytes shrink with n, where the ring's do not, but n can be at most the number of key/value heads.
+    ``inner``: the layer's own ``attend``, run on the gathered heads."""
+
+    def __init__(self, inner, group=None, balanced: bool = True):
+        self.inner, self.group, self.balanced = inner, group, balanced
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = comm.group_size(self.group)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
+                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+        for name, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
+            if heads % n:
+                raise ValueError(f"Ulysses splits the heads over cp: {heads} {name} heads are not divisible by "
+                                 f"cp={n}")
+        seq = q.shape[2] * n
+        order = torch.tensor([p for r in range(n) for p in layout.cp_positions(seq, n, r, self.balanced)],
+                             device=q.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(seq, device=q.device)
+        q, k, v = (_heads_to_sequence(t, self.group, inverse, f"cp/ulysses/{name}") for t, name in
+                   ((q, "q"), (k, "k"), (v, "v")))
+        out = self.inner(q, k, v)  # (B, H/n, S, Dh): the layer's own causal attention, on its heads
+        return _sequence_to_heads(out, self.group, order, "cp/ulysses/out")
 
 
 # -- measured, for the memory wall -----------------------------------------------------------------

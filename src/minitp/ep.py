@@ -17,6 +17,10 @@ Backward is the transpose: autograd sends the gradients of the combine's rows to
 those of the dispatch's rows back (two all-to-alls with the split sizes swapped). After backward the
 replicated parameters' gradients are averaged over the group (one all-reduce), and each expert's
 gradient, which already sums every rank's tokens, is divided by n: the loss is the mean of the ranks'.
+
+Reading order: which experts a rank holds, dispatch order, ``ExpertParallelFeedForward`` (route,
+dispatch, run, combine), ``ExpertParallel`` (the layers swapped in, the gradients averaged: the
+data-parallel protocol of ``minitp.replicas``), then the state put back together for checks.
 """
 
 from __future__ import annotations

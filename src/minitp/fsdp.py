@@ -41,6 +41,13 @@ correction, where one process (or ``fully_shard``) counts its own steps.
 The model stays plain: its parameters are replaced by views into the units' flat buffers, registered
 on their modules as non-persistent buffers under the parameters' names before each forward, so its
 own code runs unchanged.
+
+Reading order, ZeRO-3 first: units and shards (``__init__``, ``_make_unit``; the layout is
+``minitp.fsdp_units``), the views, gather and free (``_unshard``, ``_reshard``), forward and its
+hooks, the reduce-scatter in backward (``_reduce_gradient``), ``finish_gradients`` (the data-parallel
+protocol of ``minitp.replicas``), the optimizer step. The extras branch where they apply and are
+named there: ZeRO-1/2 (``zero < 3``), bf16 (``self.mixed``), prefetch, recomputation
+(``checkpoint``), a parameter no rank used (``unit.used``, -0.0); checking and saving come last.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ from minitp import comm, fsdp_units
 from minitp import trace as _trace
 from minitp.fsdp_units import LocalPiece, Unit, UnitPlan, WrapPolicy, plan_units, unit_numels, wrap_blocks  # noqa: F401
 from minitp.layout import padded_numel, shard_range
-from minitp.memory import storage_bytes
+from minitp.measure.memory import storage_bytes
 from minitp.replicas import GradientSync, used_by_no_rank
 
 

@@ -29,7 +29,7 @@ from minitp import trace as _trace
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel
 from minitp.grid import check_composition, check_zero
-from minitp.memory import held_bytes
+from minitp.measure.memory import held_bytes
 from minitp.mesh import Mesh
 from minitp.models import Transformer, loss_fn
 from minitp.models.moe import MoEConfig, aux_loss, moe_layers

@@ -35,9 +35,10 @@ The loss is the mean over the whole global batch: each micro-batch's mean loss /
 up over the micro-batches in ``.grad`` (autograd accumulates), so after the step they are the full
 batch's gradient, as on one process.
 
-Top to bottom: PipelineStage (the pieces a rank holds; ``minitp.layout.stage_blocks`` says which),
-StageSpec (what the loop knows of a stage), StagePieces (a rank's chunks), WeightGradients (the
-B/W split), Pipeline and its receives.
+Reading order, the textbook core first: PipelineStage (the pieces a rank holds;
+``minitp.layout.stage_blocks`` says which), StageSpec (what the loop knows of a stage), Pipeline and
+its receives (GPipe and 1F1B need nothing more). The extras after: StagePieces (interleaving's
+chunks of a rank), WeightDeferringLinear and WeightGradients (zero-bubble's B/W split).
 """
 
 from __future__ import annotations
@@ -176,81 +177,6 @@ def split_microbatches(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]
     if x.shape[0] % microbatches:
         raise ValueError(f"batch_size={x.shape[0]} is not divisible by microbatches={microbatches}")
     return list(x.chunk(microbatches))
-
-
-class StagePieces(nn.Module):
-    """The chunks a rank holds under interleaving (pieces r, r+p, ...), as one module with the plain
-    model's names, so the rank's state dict is still a slice of the plain model's."""
-
-    def __init__(self, chunks: list[PipelineStage]):
-        super().__init__()
-        self.tok_embeddings = next((c.tok_embeddings for c in chunks if c.is_first), None)
-        self.layers = nn.ModuleDict({k: v for c in chunks for k, v in c.layers.items()})
-        self.norm = next((c.norm for c in chunks if c.is_last), None)
-        self.output = next((c.output for c in chunks if c.is_last), None)
-
-
-# -- the weight gradient apart (zero-bubble's W) ----------------------------------------------------
-class _LinearDeferringWeight(torch.autograd.Function):
-    """y = x Wᵀ whose backward gives the input gradient g W at once and leaves (x, g) with
-    ``stash`` for the weight gradient gᵀ x, computed later by ``WeightGradients.run``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, stash, key):
-        ctx.save_for_backward(x, weight)
-        ctx.stash, ctx.key = stash, key
-        return x @ weight.t()  # (..., in) -> (..., out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        ctx.stash.pending.setdefault(ctx.key, []).append((x, grad, weight))  # kept until W
-        return grad @ weight, None, None, None  # (..., out) -> (..., in)
-
-
-class WeightDeferringLinear(nn.Module):
-    """A bias-free linear layer whose weight gradient waits for zero-bubble's W (``WeightGradients``)."""
-
-    def __init__(self, weight: nn.Parameter, weights: WeightGradients):
-        super().__init__()
-        self.weight, self.weights = weight, weights
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weights.linear(self, x)
-
-
-class WeightGradients:
-    """Splits the backward of every ``nn.Linear`` of ``module`` (zero-bubble's B and W): B computes
-    the input gradient and the small weights (norms, embedding); the linear layers' weight
-    gradients wait, with their saved inputs and output gradients, until ``run(key)`` (the W).
-    Each linear is replaced, in its parent, by a ``WeightDeferringLinear`` holding the same weight
-    under the same name, as tensor parallel replaces layers: the rank owns its stage."""
-
-    def __init__(self, module: nn.Module):
-        self.pending: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> [(x, grad, weight)]
-        self.key: tuple[int, int] | None = None  # the (chunk, micro-batch) whose forward runs now
-        for parent in list(module.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:  # not subclasses with their own forward
-                    if child.bias is not None:
-                        raise ValueError("zero-bubble's weight split handles linear layers without bias only")
-                    parent.add_module(name, WeightDeferringLinear(child.weight, self))
-
-    def linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not linear.weight.is_leaf:  # e.g. a view into FSDP's gathered flat parameter
-            raise ValueError("zero-bubble's W writes .grad of each linear weight, which must be a parameter of its "
-                             "own (a leaf tensor); this one is a view (FSDP?): use DDP, or another schedule")
-        return _LinearDeferringWeight.apply(x, linear.weight, self, self.key)
-
-    @torch.no_grad()  # .grad may be a view into a data-parallel bucket: add into it in place
-    def run(self, key: tuple[int, int]) -> None:
-        for x, grad, weight in self.pending.pop(key, []):
-            dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # (out, in)
-            if weight.grad is None:
-                weight.grad = dw
-            else:
-                weight.grad.add_(dw)
 
 
 # -- running a schedule ---------------------------------------------------------------------------
@@ -450,3 +376,79 @@ class _Receives:
         handle, buffer = self.posted.pop(key)
         handle.wait()
         return buffer
+
+
+# -- extras: interleaving's pieces, zero-bubble's weight gradients -------------------------------------
+class StagePieces(nn.Module):
+    """The chunks a rank holds under interleaving (pieces r, r+p, ...), as one module with the plain
+    model's names, so the rank's state dict is still a slice of the plain model's."""
+
+    def __init__(self, chunks: list[PipelineStage]):
+        super().__init__()
+        self.tok_embeddings = next((c.tok_embeddings for c in chunks if c.is_first), None)
+        self.layers = nn.ModuleDict({k: v for c in chunks for k, v in c.layers.items()})
+        self.norm = next((c.norm for c in chunks if c.is_last), None)
+        self.output = next((c.output for c in chunks if c.is_last), None)
+
+
+# -- the weight gradient apart (zero-bubble's W) ----------------------------------------------------
+class _LinearDeferringWeight(torch.autograd.Function):
+    """y = x Wᵀ whose backward gives the input gradient g W at once and leaves (x, g) with
+    ``stash`` for the weight gradient gᵀ x, computed later by ``WeightGradients.run``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, stash, key):
+        ctx.save_for_backward(x, weight)
+        ctx.stash, ctx.key = stash, key
+        return x @ weight.t()  # (..., in) -> (..., out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.stash.pending.setdefault(ctx.key, []).append((x, grad, weight))  # kept until W
+        return grad @ weight, None, None, None  # (..., out) -> (..., in)
+
+
+class WeightDeferringLinear(nn.Module):
+    """A bias-free linear layer whose weight gradient waits for zero-bubble's W (``WeightGradients``)."""
+
+    def __init__(self, weight: nn.Parameter, weights: WeightGradients):
+        super().__init__()
+        self.weight, self.weights = weight, weights
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights.linear(self, x)
+
+
+class WeightGradients:
+    """Splits the backward of every ``nn.Linear`` of ``module`` (zero-bubble's B and W): B computes
+    the input gradient and the small weights (norms, embedding); the linear layers' weight
+    gradients wait, with their saved inputs and output gradients, until ``run(key)`` (the W).
+    Each linear is replaced, in its parent, by a ``WeightDeferringLinear`` holding the same weight
+    under the same name, as tensor parallel replaces layers: the rank owns its stage."""
+
+    def __init__(self, module: nn.Module):
+        self.pending: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> [(x, grad, weight)]
+        self.key: tuple[int, int] | None = None  # the (chunk, micro-batch) whose forward runs now
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:  # not subclasses with their own forward
+                    if child.bias is not None:
+                        raise ValueError("zero-bubble's weight split handles linear layers without bias only")
+                    parent.add_module(name, WeightDeferringLinear(child.weight, self))
+
+    def linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not linear.weight.is_leaf:  # e.g. a view into FSDP's gathered flat parameter
+            raise ValueError("zero-bubble's W writes .grad of each linear weight, which must be a parameter of its "
+                             "own (a leaf tensor); this one is a view (FSDP?): use DDP, or another schedule")
+        return _LinearDeferringWeight.apply(x, linear.weight, self, self.key)
+
+    @torch.no_grad()  # .grad may be a view into a data-parallel bucket: add into it in place
+    def run(self, key: tuple[int, int]) -> None:
+        for x, grad, weight in self.pending.pop(key, []):
+            dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # (out, in)
+            if weight.grad is None:
+                weight.grad = dw
+            else:
+                weight.grad.add_(dw)

@@ -33,7 +33,7 @@ they read in this order: ``strategies`` (DDP, FSDP, tensor and pipeline parallel
 → ``activations`` (what autograd keeps) → ``threed`` (a rank of the dp × pp × tp mesh) → ``context``
 (ring attention; the dp·cp·pp·tp mesh) → ``experts`` (MoE and the all-to-alls) → ``time`` (FLOPs and
 messages in seconds). Nothing here reads a file or the environment: this machine's calibration is read
-by ``minitp.calibrate`` and comes in as a ``Device``. Every public name is re-exported here.
+by ``minitp.measure.calibrate`` and comes in as a ``Device``. Every public name is re-exported here.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Part of ``minitp.cost`` (re-exported there); builds on ``minitp.cost.strategies`
   never stores the scores: it recomputes them, so it is itself selective recomputation.
 
 * ``tiny_block_activation_bytes``: exactly what a block of ``minitp.models`` saves, tensor by tensor
-  (checked against saved-tensor hooks by ``minitp.activations`` and its tests).
+  (checked against saved-tensor hooks by ``minitp.measure.activations`` and its tests).
 """
 
 from __future__ import annotations

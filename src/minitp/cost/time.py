@@ -19,7 +19,7 @@ A collective on a ring of n ranks takes (n-1) steps per phase (an all-reduce has
 message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point-to-point send takes α + B/β.
 
 The last of ``minitp.cost``'s modules: it times the bytes the others count. This machine's figures come
-in as a ``Device`` (``device_from_calibration`` of what ``minitp.calibrate`` read); nothing here reads
+in as a ``Device`` (``device_from_calibration`` of what ``minitp.measure.calibrate`` read); nothing here reads
 a file.
 """
 
@@ -88,7 +88,7 @@ DEVICES = {"h100": H100, "a100": A100}
 
 
 # -- this machine: figures measured by ``minitp calibrate`` -----------------------------------------
-# Reading them from where they are stored (and checking them) is ``minitp.calibrate``'s: nothing here
+# Reading them from where they are stored (and checking them) is ``minitp.measure.calibrate``'s: nothing here
 # touches a file. A calibration is a dict of figures, handed in.
 def device_from_calibration(cal: dict) -> Device:
     """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links)."""

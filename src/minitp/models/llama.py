@@ -181,7 +181,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, attend=None, recompute=None):
         # recompute: None, or how to run the block so that backward recomputes its activations,
-        # (forward, *args) -> output (FSDP's checkpointing, ``minitp.activations``' recomputation)
+        # (forward, *args) -> output (FSDP's checkpointing, ``minitp.measure.activations``' recomputation)
         if recompute is not None:
             return recompute(self.compute, x, cos, sin, cache, attend)
         return self.compute(x, cos, sin, cache, attend)

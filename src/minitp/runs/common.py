@@ -8,15 +8,16 @@ import time
 
 import torch
 
-from minitp import calibrate, cost
+from minitp import cost
 from minitp import trace as _trace
 from minitp.launcher import RANK_MEMORY_BYTES, check_launch, progress
 from minitp.launcher.guard import available_memory
+from minitp.measure import calibrate
 from minitp.models import get_config, loss_fn
 from minitp.models.train import TrainConfig
-from minitp.references import full_batch, max_abs_diff
-from minitp.registry import OptionError, check_options
-from minitp.report import Report
+from minitp.runs.references import full_batch, max_abs_diff
+from minitp.runs.registry import OptionError, check_options
+from minitp.runs.report import Report
 
 
 def check_run(strategy: str, values: dict, data_parallel: int, tensor_parallel: int = 1) -> TrainConfig:

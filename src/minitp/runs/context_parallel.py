@@ -7,13 +7,13 @@ import time
 from minitp import cost, cp, layout
 from minitp import trace as _trace
 from minitp.launcher import launch
-from minitp.memory import held_bytes
+from minitp.measure.memory import held_bytes
 from minitp.models import build_model, get_config, loss_fn
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.references import full_batch
-from minitp.registry import Option, Strategy, register
-from minitp.report import Report
 from minitp.runs.common import build_report, check_run, state_of, worker_summary
+from minitp.runs.references import full_batch
+from minitp.runs.registry import Option, Strategy, register
+from minitp.runs.report import Report
 
 
 def _cp_worker(model_name: str, train: TrainConfig, balanced: bool, attention: str) -> dict:

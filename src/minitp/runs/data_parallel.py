@@ -8,13 +8,13 @@ from minitp import cost, layout
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel, unit_numels
 from minitp.launcher import launch
-from minitp.memory import held_bytes
+from minitp.measure.memory import held_bytes
 from minitp.models import build_model, get_config
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.references import max_abs_diff, microbatched
-from minitp.registry import Option, Strategy, register
-from minitp.report import PARAM_TOLERANCE, Report
 from minitp.runs.common import build_report, check_run, state_of, train_steps, worker_summary
+from minitp.runs.references import max_abs_diff, microbatched
+from minitp.runs.registry import Option, Strategy, register
+from minitp.runs.report import PARAM_TOLERANCE, Report
 
 
 # -- DDP ------------------------------------------------------------------------------------------

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from minitp import cost, ep, layout
 from minitp.launcher import launch
-from minitp.memory import held_bytes
+from minitp.measure.memory import held_bytes
 from minitp.models import get_config
 from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers, moe_loss
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.registry import Option, Strategy, register
-from minitp.report import Report
 from minitp.runs.common import build_report, check_run, state_of, train_steps, worker_summary
+from minitp.runs.registry import Option, Strategy, register
+from minitp.runs.report import Report
 
 
 def moe_reference(cfg: MoEConfig, train: TrainConfig) -> tuple[list[float], dict, dict]:

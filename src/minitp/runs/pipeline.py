@@ -11,13 +11,13 @@ import torch
 from minitp import cost, layout, pp
 from minitp import trace as _trace
 from minitp.launcher import launch
-from minitp.memory import held_bytes
+from minitp.measure.memory import held_bytes
 from minitp.models import build_model, get_config
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
 from minitp.pp_schedules import SCHEDULES
-from minitp.registry import Option, Strategy, register
-from minitp.report import Report
 from minitp.runs.common import build_report, check_run, worker_summary
+from minitp.runs.registry import Option, Strategy, register
+from minitp.runs.report import Report
 
 
 def _pp_worker(model_name: str, train: TrainConfig, schedule: str, microbatches: int, virtual_stages: int) -> dict:

@@ -6,13 +6,13 @@ import torch
 
 from minitp import cost, layout, tp
 from minitp.launcher import launch
-from minitp.memory import held_bytes
+from minitp.measure.memory import held_bytes
 from minitp.models import build_model, get_config
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.references import swiglu, swiglu_batches
-from minitp.registry import Option, Strategy, register
-from minitp.report import Report
 from minitp.runs.common import build_report, check_run, train_steps, worker_summary
+from minitp.runs.references import swiglu, swiglu_batches
+from minitp.runs.registry import Option, Strategy, register
+from minitp.runs.report import Report
 
 
 def _with_full_states(results) -> list[dict]:

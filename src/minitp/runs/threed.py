@@ -16,11 +16,11 @@ from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers
 from minitp.models.train import TrainConfig, synthetic_batches
 from minitp.parallel3d import Parallel3D, unshard_3d
 from minitp.pp_schedules import SCHEDULES
-from minitp.references import full_batch
-from minitp.registry import COMMON, Option, Strategy, register
-from minitp.report import Report
 from minitp.runs.common import build_report, check_run, step_events, worker_summary
 from minitp.runs.expert_parallel import moe_reference
+from minitp.runs.references import full_batch
+from minitp.runs.registry import COMMON, Option, Strategy, register
+from minitp.runs.report import Report
 
 
 def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, start_step: int,

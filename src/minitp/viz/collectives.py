@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from minitp.units import byte_scale, format_bytes
+from minitp.viz.format import byte_scale, format_bytes
 from minitp.viz.style import OP_COLORS, figure, rank_color
 
 SUM_COLOR = "#DDDDDD"  # a value that is a sum over ranks belongs to no single rank
@@ -196,7 +196,7 @@ def message_graph(events, title: str = "", unit: str = "B"):
 def bytes_per_rank(sent: list[float], expected: float | list[float], title: str = "",
                    formula: str = "formula"):
     """Bars: the bytes each rank sent (traced); dashed line or dots: what the formula says.
-    The axis counts in bytes, KB, MB or GB (``minitp.units``), whichever suits the largest value."""
+    The axis counts in bytes, KB, MB or GB (``minitp.viz.format``), whichever suits the largest value."""
     n = len(sent)
     values = [*sent, *([expected] if isinstance(expected, (int, float)) else expected)]
     top = max(values, default=0)

@@ -16,8 +16,8 @@ import numpy as np
 from matplotlib.patches import FancyBboxPatch
 
 from minitp.layout import cp_chunks
-from minitp.units import format_bytes
 from minitp.viz import style
+from minitp.viz.format import format_bytes
 
 
 def _owner_grid(seq_len: int, cp: int, balanced: bool, causal: bool = True) -> np.ndarray:

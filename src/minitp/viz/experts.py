@@ -7,7 +7,7 @@ or a layer's ``history``) and draw them; none runs anything or imports a strateg
 from __future__ import annotations
 
 from minitp.cost.experts import tokens_between_ranks
-from minitp.units import format_bytes
+from minitp.viz.format import format_bytes
 from minitp.viz.style import figure, rank_color
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from minitp.trace import Event, totals
-from minitp.units import format_bytes
+from minitp.viz.format import format_bytes
 from minitp.viz.style import OP_COLORS, figure, rank_color
 from minitp.viz.timeline import collect_events
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from minitp import layout
 from minitp.trace import Event
-from minitp.units import byte_scale, format_bytes
+from minitp.viz.format import byte_scale, format_bytes
 from minitp.viz.style import RANK_COLORS, figure, rank_color
 from minitp.viz.timeline import collect_events
 from minitp.viz.tp import locate, whole

@@ -8,7 +8,7 @@ Three figures, each drawn from data a run returned (they never run anything):
   stacked in sub-rows, and a compute span that contains other spans (a whole ``backward`` around
   per-block spans) is drawn as a thin bar beneath them.
 * ``memory_bars``: per rank, the bytes held in parameters, gradients and optimizer state (as
-  measured by ``minitp.memory.held_bytes``) next to what ``minitp.cost`` predicts.
+  measured by ``minitp.measure.memory.held_bytes``) next to what ``minitp.cost`` predicts.
 * ``loss_curve``: the loss per step of one or more runs against the one-process reference, with
   the absolute difference on a log scale beside it.
 
@@ -22,8 +22,8 @@ import math
 from collections.abc import Iterable
 
 from minitp.trace import Event, Trace
-from minitp.units import byte_scale, format_bytes  # noqa: F401  (format_bytes: notebooks import it from here)
 from minitp.viz import style
+from minitp.viz.format import byte_scale, format_bytes  # noqa: F401  (format_bytes: notebooks import it from here)
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
 COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}

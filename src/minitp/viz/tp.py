@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from minitp.trace import Event, Trace
-from minitp.units import format_bytes
+from minitp.viz.format import format_bytes
 from minitp.viz.style import OP_COLORS, figure, rank_color
 
 REPLICATED_COLOR = "#DDDDDD"

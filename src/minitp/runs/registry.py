@@ -113,7 +113,7 @@ class Strategy:
     """A strategy ``minitp run NAME`` trains: its runner and the options it takes beyond ``COMMON``."""
 
     name: str
-    runner: Callable[..., Any]  # returns a minitp.report.Report
+    runner: Callable[..., Any]  # returns a minitp.runs.report.Report
     summary: str  # one line for ``minitp run --help``
     options: tuple[Option, ...] = ()
     common: tuple[Option, ...] = field(default=COMMON)
