@@ -33,8 +33,9 @@ def test_a_checkpoint_saved_under_context_parallel_and_a_pipeline_resumes_on_one
 
 
 def test_a_dense_checkpoint_does_not_load_into_the_moe_model(tmp_path):
-    from minitp.launcher import RankError
+    from minitp.checkpoint import CheckpointError
 
     runs.run_3d(dp=2, tp=1, pp=1, steps=1, save_to=str(tmp_path / "dense"))
-    with pytest.raises(RankError, match="saved from .*no n_experts.*this model has .*n_experts=8"):
+    # refused in the parent, before any rank starts (it was a rank's RankError until issue 24)
+    with pytest.raises(CheckpointError, match="saved from .*no n_experts.*this model has .*n_experts=8"):
         runs.run_3d(dp=2, ep=2, tp=1, pp=1, steps=2, resume_from=str(tmp_path / "dense"))

@@ -35,6 +35,11 @@ def no_launch(monkeypatch):
     (["run", "3d", "--microbatches", "0"], "--microbatches 0 is not allowed: expected an integer >= 1"),
     (["run", "3d", "--dp", "0"], "--dp 0 is not allowed: expected an integer >= 1"),
     (["run", "3d", "--nproc", "4"], "dp*pp*tp = 2*2*2 = 8 but the world has 4 ranks"),
+    (["run", "3d", "--nproc", "4", "--cp", "2"], "dp*cp*pp*tp = 2*2*2*2 = 16 but the world has 4 ranks"),
+    (["run", "ep", "--capacity-factor", "1e308"], "--capacity-factor 1e+308 is not allowed: expected a finite "
+                                                  "number > 0 and at most 1048576"),
+    (["plan", "--gpus", "1099511627776", "--cp", "2"], "--gpus 1099511627776 is not allowed: expected an integer "
+                                                       "from 1 to 1048576"),
     (["run", "tp", "--seq-len", "33"], "--seq-len 33 is not allowed: expected an integer from 1 to 32"),
     (["run", "ddp", "--nproc", "100000"], "nprocs=100000 is more than the cap of"),
     (["run", "ddp", "--json", "/nonexistent/dir/r.json"], "--json /nonexistent/dir/r.json: the folder "

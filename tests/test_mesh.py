@@ -65,3 +65,38 @@ def test_mesh_builds_every_group_on_every_rank_and_each_group_sums_its_members()
 def test_mesh_refuses_a_bad_product_inside_the_run_too():
     with pytest.raises(Exception, match=r"dp\*pp\*tp = 2\*2\*1 = 4 but the world has 2 ranks"):
         launch(lambda: mesh.Mesh(2, 2, 1), 2, echo=False)
+
+
+def _cp_ep_worker(dp, pp, tp, cp, ep):
+    m = mesh.Mesh(dp, pp, tp, cp=cp, ep=ep)
+    out = {dim: m.group_ranks.get(dim) for dim in ("dp", "pp", "tp", "cp", "ep", "expert_dp")}
+    for dim in ("cp", "ep"):  # each group made by the mesh sums its members' ranks, and is named
+        group = m.group(dim)
+        if group is not None:
+            t = torch.tensor([float(m.rank)])
+            torch.distributed.all_reduce(t, group=group)
+            out[f"{dim}_sum"] = t.item()
+            out[f"{dim}_name"] = comm.group_dim(group)
+    return out
+
+
+def test_the_mesh_splits_each_dp_group_into_cp_groups_and_ep_groups():
+    # dp axis of 4 (2 replicas × cp 2), tp 2: rank = dp_rank·2 + tp_rank; cp groups: consecutive dp ranks
+    results = launch(_cp_ep_worker, 8, 4, 1, 2, 2, 1, echo=False)
+    for rank, r in enumerate(results):
+        d, t = divmod(rank, 2)
+        assert r["dp"] == [t, 2 + t, 4 + t, 6 + t] and r["tp"] == [2 * d, 2 * d + 1]
+        first = (d // 2) * 2
+        assert r["cp"] == [first * 2 + t, (first + 1) * 2 + t] and r["cp_sum"] == sum(r["cp"])
+        assert r["cp_name"] == "cp" and r["ep"] is None
+    # dp 4 with ep 2: ep groups are runs of 2 dp ranks; the ranks at the same place in every run hold
+    # the same experts (an expert-dp group, named "dp")
+    results = launch(_cp_ep_worker, 4, 4, 1, 1, 1, 2, echo=False)
+    for rank, r in enumerate(results):
+        assert r["ep"] == ([0, 1] if rank < 2 else [2, 3]) and r["ep_sum"] == sum(r["ep"])
+        assert r["expert_dp"] == ([0, 2] if rank % 2 == 0 else [1, 3]) and r["ep_name"] == "ep"
+
+
+def test_the_mesh_refuses_cp_or_ep_that_does_not_divide_its_dp_axis():
+    with pytest.raises(Exception, match="the mesh.s dp=2 is not divisible by cp=3"):
+        launch(lambda: mesh.Mesh(2, 1, 1, cp=3), 2, echo=False)

@@ -109,16 +109,20 @@ def test_the_static_twin_has_one_panel_per_setting_each_with_its_own_rule():
     assert stored_twins(notebook) == [twin]
 
 
-def test_display_stores_the_twin_unless_live(monkeypatch):
+def test_with_twin_stores_the_twin_unless_live_and_displaying_runs_nothing_more(monkeypatch):
     pytest.importorskip("ipywidgets")
     calls = []
     monkeypatch.delenv(LIVE_ENV, raising=False)
-    bundle = explore(_counting(calls), lambda r, s: str(r), {"a": [1, 2]})._repr_mimebundle_()
+    shown = explore(_counting(calls), lambda r, s: str(r), {"a": [1, 2]})
+    assert "minitp-explore" not in shown._repr_mimebundle_().get("text/html", "") and len(calls) == 1
+    bundle = shown.with_twin()._repr_mimebundle_()  # the grid runs in the explicit call, not on display
     assert "minitp-explore" in bundle["text/html"] and "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == "explorer: a = 1" and len(calls) == 2
+    shown._repr_mimebundle_()
+    assert len(calls) == 2  # displaying again launches nothing
     monkeypatch.setenv(LIVE_ENV, "1")
     calls.clear()
-    bundle = explore(_counting(calls), lambda r, s: str(r), {"a": [1, 2]})._repr_mimebundle_()
+    bundle = explore(_counting(calls), lambda r, s: str(r), {"a": [1, 2]}).with_twin()._repr_mimebundle_()
     assert "text/html" not in bundle and len(calls) == 1  # a learner's cell runs only what it shows
 
 

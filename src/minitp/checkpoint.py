@@ -11,27 +11,39 @@ written by the first tp rank only.
 
     ckpt/index.json                  names the save folder below; checked by its own SHA-256
     ckpt/save-000002/rank00000.pt    each rank's pieces (and rank00000.json, its note to rank 0)
+    ckpt/save-000002/minitp-save.json  the mark: minitp made this folder (written first)
 
 A save writes a new ``save-N`` folder beside the current one; once every file is on disk (fsync),
 rank 0 writes the new index under a temporary name and renames it over ``index.json`` (atomic on
 POSIX). So ``index.json`` always names a whole checkpoint: the old one until the rename, the new one
 after. A crash at any moment leaves one of the two. The old folder is removed after the switch;
-what a crashed save left (a ``save-N`` no index names, ``*.tmp-*`` files) at the start of the next.
+what a crashed save left at the start of the next. A save that fails with an error (a full disk)
+removes its own new folder and says which file it could not write.
+
+**Only what minitp wrote is removed.** Each ``save-N`` folder is born with its mark
+(``save-N/minitp-save.json``, written under a temporary folder name that is then renamed), and every
+temporary name ends in ``.minitp-tmp-<pid>``. Clean-up removes a marked folder no index names and
+those temporary names, nothing else. A folder to save into must be new, empty or a minitp
+checkpoint: one that holds anything else (a learner's files) is refused before anything is written
+(``check_save_folder``; ``minitp run`` asks it in the parent, before any process starts).
 
 **The index** holds the model config, the layout (dp, pp, tp, data_parallel, zero), the step and
 AdamW's step, every parameter's whole shape, every piece, each file's size and SHA-256, and the
 SHA-256 of all that. **Loading** into a ``Parallel3D`` on any mesh checks, before it copies
 anything: the index's checksum, every shape, the config, that every tensor of the model is in the
 checkpoint and every saved tensor is taken by the model; then each file's checksum and that the
-file agrees with the index on the steps. Any mismatch is a ``CheckpointError`` naming the file
+file agrees with the index on the steps. The index may name only plain file names inside its own
+save folder (never ``../x`` or ``/x``). Any mismatch is a ``CheckpointError`` naming the file
 ("checkpoint ckpt/index.json was saved from n_layers=4, this model has n_layers=2"). The pieces
 of each tensor are put back together (checking they cover it exactly once), then cut for the new
 layout: copies only, bit for bit. Files are read with ``torch.load(weights_only=True)``: tensors and
-plain containers, never pickled code. ``load_full`` does the same on one process.
+plain containers, never pickled code. ``load_full`` does the same on one process, and
+``check_before_launch`` all the checks, in the parent, before any rank starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -52,7 +64,9 @@ FORMAT = "minitp-checkpoint/2"
 INDEX = "index.json"
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and its AdamW moments
 SAVE_FOLDER = re.compile(r"save-(\d{6})")
-STALE_FILE = re.compile(r"(rank\d{5}\.(pt|json)|.*\.tmp-\d+)")  # a v1 checkpoint's files, a temporary file
+MARK = "minitp-save.json"  # in every save folder minitp made: only a marked folder is ever removed
+TEMPORARY = re.compile(r"(index\.json|save-\d{6})\.minitp-tmp-\d+")  # a new index; a save folder born or removed
+PLAIN_NAME = re.compile(r"[^/\\\x00]+")  # a file name inside the save folder: no separator, no NUL
 
 
 class CheckpointError(ValueError):
@@ -93,13 +107,29 @@ def load_module_pieces(module: nn.Module, pieces: list[LocalPiece], optimizer: t
 # -- writing --------------------------------------------------------------------------------------------------
 def _write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that ``path`` never holds a part of it: a temporary file, fsync,
-    rename (atomic on POSIX)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    rename (atomic on POSIX). A write that fails (a full disk) removes its temporary file."""
+    tmp = f"{path}.minitp-tmp-{os.getpid()}"
+    try:
+        with _naming(path), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """An ``OSError`` raised inside names ``path`` (a full disk's says only "No space left on device")."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
 
 
 def _fsync_dir(folder: str) -> None:
@@ -125,16 +155,72 @@ def _current_folder(path: str) -> str | None:
         return None
 
 
-def _remove_stale(path: str) -> None:
-    """Remove what no valid index names: save folders a crash left half-written (or a switch left
-    behind), temporary files, a version-1 checkpoint's files. Nothing else in ``path`` is touched."""
+def _is_marked(path: str, entry: str) -> bool:
+    """Whether ``path/entry`` is a save folder minitp made (it carries minitp's mark)."""
+    full = os.path.join(path, entry)
+    return SAVE_FOLDER.fullmatch(entry) is not None and os.path.isdir(full) and os.path.isfile(os.path.join(full, MARK))
+
+
+def check_save_folder(path: str, what: str | None = None) -> None:
+    """Refuse to save into a folder that holds anything minitp did not write there: a save cleans up
+    behind itself, and must never remove a learner's files. New, empty and minitp checkpoints pass.
+    ``what`` names the folder in the message (default: its path)."""
+    if not os.path.isdir(path):
+        return
+    current = _current_folder(path)
+    foreign = []
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        if entry == INDEX and current is not None and os.path.isfile(full):
+            continue  # a minitp index (format and checksum checked)
+        if entry == current or _is_marked(path, entry) or TEMPORARY.fullmatch(entry):
+            continue
+        foreign.append(entry + ("/" if os.path.isdir(full) else ""))
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise CheckpointError(f"{what or path} holds {shown}, which minitp did not write: a checkpoint folder must "
+                              f"be new, empty or a minitp checkpoint (a save removes what it left behind, so it "
+                              f"refuses a folder with anything else); choose another folder")
+
+
+def _remove_stale(path: str, previous: str | None = None) -> None:
+    """Remove what minitp wrote and no valid index names: marked save folders a crash left
+    half-written, temporary names, and ``previous`` (the folder the index named before the switch,
+    marked or, from an older minitp, not). Nothing else in ``path`` is touched."""
     keep = _current_folder(path)
     for entry in os.listdir(path):
         full = os.path.join(path, entry)
-        if os.path.isdir(full) and SAVE_FOLDER.fullmatch(entry) and entry != keep:
+        if entry == keep:
+            continue
+        if entry == previous or _is_marked(path, entry):
+            _remove_save_folder(path, entry)
+        elif TEMPORARY.fullmatch(entry) and os.path.isdir(full):
             shutil.rmtree(full, ignore_errors=True)
-        elif os.path.isfile(full) and STALE_FILE.fullmatch(entry):
+        elif TEMPORARY.fullmatch(entry) and os.path.isfile(full):
             os.remove(full)
+
+
+def _remove_save_folder(path: str, folder: str) -> None:
+    """Remove a save folder minitp wrote: renamed to a temporary name first (atomic), so a crash
+    while its files go never leaves a save folder without its mark."""
+    doomed = os.path.join(path, f"{folder}.minitp-tmp-{os.getpid()}")
+    shutil.rmtree(doomed, ignore_errors=True)  # a leftover of the same name (a reused pid)
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(os.path.join(path, folder), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _make_save_folder(path: str, folder: str) -> None:
+    """Create ``path/folder`` with minitp's mark already in it: the mark is written into a temporary
+    folder that is then renamed, so no save folder ever exists unmarked."""
+    tmp = os.path.join(path, f"{folder}.minitp-tmp-{os.getpid()}")
+    try:
+        os.makedirs(tmp)
+        _write_atomic(os.path.join(tmp, MARK), json.dumps({"format": FORMAT, "folder": folder}).encode())
+        os.rename(tmp, os.path.join(path, folder))  # refuses a folder already there that is not empty
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _local_pieces(par) -> list[LocalPiece]:
@@ -160,11 +246,34 @@ def save(par, path: str, step: int) -> None:
     mesh = par.mesh
     if mesh.rank == 0:
         os.makedirs(path, exist_ok=True)
+        check_save_folder(path)  # a folder with a learner's files in it: refused, nothing removed
         _remove_stale(path)
+        _make_save_folder(path, _next_folder(_current_folder(path)))
     comm.barrier()
-    current = _current_folder(path)  # the same on every rank: nobody changes the index before the end
-    folder = f"save-{int(current[5:]) + 1 if current else 1:06d}"
-    os.makedirs(os.path.join(path, folder), exist_ok=True)
+    previous = _current_folder(path)  # the same on every rank: nobody changes the index before the end
+    folder = _next_folder(previous)
+    try:
+        _write_save_folder(par, path, folder, step)
+    except OSError as e:  # a full disk, a file system gone read-only: the new folder goes, the old stays
+        with contextlib.suppress(OSError):
+            _remove_save_folder(path, folder)
+        held = "still holds the previous checkpoint" if previous else "holds no checkpoint"
+        said = (f"{e.strerror or e} while writing {e.filename or os.path.join(path, folder)}: the unfinished "
+                f"save {folder} was removed; {path} {held}")
+        raise (OSError(e.errno, said) if e.errno is not None else OSError(said)) from None
+    if mesh.rank == 0:  # the switch is made: the checkpoint is whole, the previous one can go
+        _fsync_dir(path)
+        _remove_stale(path, previous)  # the previous save folder
+    comm.barrier()  # no rank goes on before the checkpoint is whole
+
+
+def _next_folder(current: str | None) -> str:
+    return f"save-{int(current[5:]) + 1 if current else 1:06d}"
+
+
+def _write_save_folder(par, path: str, folder: str, step: int) -> None:
+    """Write this rank's files into ``path/folder``; then rank 0 switches the index to it."""
+    mesh = par.mesh
     pieces = _local_pieces(par)
     tp_rank = mesh.coords.tp
     tensors, described = {}, []
@@ -180,10 +289,11 @@ def save(par, path: str, step: int) -> None:
     name = f"{folder}/rank{mesh.rank:05d}.pt"
     steps = {d["key"]: d["optimizer_step"] for d in described}
     buffer = io.BytesIO()
-    torch.save({"step": step, "optimizer_steps": steps, "tensors": tensors}, buffer)
-    data = buffer.getvalue()
-    if described:  # a rank that holds nothing new writes only its note
-        _write_atomic(os.path.join(path, name), data)
+    with _naming(os.path.join(path, name)):
+        torch.save({"step": step, "optimizer_steps": steps, "tensors": tensors}, buffer)
+        data = buffer.getvalue()
+        if described:  # a rank that holds nothing new writes only its note
+            _write_atomic(os.path.join(path, name), data)
     note = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": described}
     _write_atomic(os.path.join(path, folder, f"rank{mesh.rank:05d}.json"), json.dumps(note).encode())
     comm.barrier()  # every rank's files are on disk
@@ -206,9 +316,6 @@ def save(par, path: str, step: int) -> None:
                  "pieces": all_pieces}
         index["sha256"] = _digest(index)
         _write_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())  # the switch
-        _fsync_dir(path)
-        _remove_stale(path)  # the previous save folder
-    comm.barrier()  # no rank goes on before the checkpoint is whole
 
 
 def _config_dict(config) -> dict:
@@ -236,7 +343,25 @@ def read_index(path: str) -> dict:
         said = str(index.get("sha256"))[:12]
         raise CheckpointError(f"{index_path} does not match its own SHA-256 (it says {said}..., its content hashes "
                               f"to {_digest(index)[:12]}...): it was edited or torn; refusing to load")
+    _check_names(index, index_path)
     return index
+
+
+def _check_names(index: dict, index_path: str) -> None:
+    """The index names its save folder (``save-NNNNNN``) and files inside it only: a name that leads
+    elsewhere (``../outside.pt``, ``/etc/x``, ``save-000001/../../x``) is never read nor removed."""
+    folder = index.get("folder")
+    if not isinstance(folder, str) or not SAVE_FOLDER.fullmatch(folder):
+        raise CheckpointError(f"{index_path} names the save folder {folder!r}, expected a name like save-000001 "
+                              f"inside {os.path.dirname(index_path) or '.'}; refusing to load")
+    files, pieces = index.get("files"), index.get("pieces")
+    if not isinstance(files, dict) or not isinstance(pieces, list) or not all(isinstance(p, dict) for p in pieces):
+        raise CheckpointError(f"{index_path} has no list of files and pieces; refusing to load")
+    for name in [*files, *(p.get("file") for p in pieces)]:
+        inside, _, base = name.partition("/") if isinstance(name, str) else ("", "", "")
+        if inside != folder or not PLAIN_NAME.fullmatch(base) or base in (".", ".."):
+            raise CheckpointError(f"{index_path} names the file {name!r}, expected a plain file name inside its "
+                                  f"save folder ({folder}/NAME: no '/', no '..', not absolute); refusing to read it")
 
 
 class _Reader:
@@ -261,7 +386,7 @@ class _Reader:
                                       f"{expected['bytes']} bytes and {expected['sha256'][:12]}...: the file is torn "
                                       f"or was changed; refusing to load")
             self.files[name] = self._check(name, _load_tensors(where, data))
-        return self.files[name]["tensors"]
+        return self.files[name].get("tensors")
 
     def _check(self, name: str, content) -> dict:
         """The file must say what the index says: the step, and each tensor's optimizer step."""
@@ -295,9 +420,19 @@ class _Reader:
             if not mine or covered != expected or covered[-1][1] != numel:
                 raise CheckpointError(f"the pieces of {name} ({kind}, tp slice {t} of {tp}) cover {covered}, "
                                       f"not [0, {numel}) exactly once")
-            flat = torch.cat([self.file(p["file"])[p["key"]] for p in mine])
+            flat = torch.cat([self._piece(p) for p in mine])
             slices.append(flat.view(shape))
         return slices[0] if dim is None else torch.cat(slices, dim=dim)
+
+    def _piece(self, piece: dict) -> torch.Tensor:
+        """One piece's elements, from its file: a flat tensor of stop - start elements."""
+        tensors = self.file(piece["file"])
+        t = tensors.get(piece["key"]) if isinstance(tensors, dict) else None
+        if not torch.is_tensor(t) or t.numel() != piece["stop"] - piece["start"]:
+            got = f"{t.numel()} elements" if torch.is_tensor(t) else "no tensor"
+            raise CheckpointError(f"{os.path.join(self.path, piece['file'])} holds {got} under {piece['key']}, "
+                                  f"{os.path.join(self.path, INDEX)} says {piece['stop'] - piece['start']}")
+        return t.reshape(-1)
 
     def optimizer_step(self, name: str) -> int | None:
         steps = {p["optimizer_step"] for p in self.pieces(name, "param")}
@@ -349,6 +484,25 @@ def check_fits(index: dict, path: str, config, whole_shapes: dict[str, tuple[int
     if extra:
         raise CheckpointError(f"checkpoint {index_path} holds {', '.join(extra)}, which this model has not: "
                               f"every saved tensor must be loaded")
+
+
+def check_before_launch(path: str, config, whole_shapes: dict[str, tuple[int, ...]]) -> int:
+    """Every check ``load`` makes, on one process, before any rank starts: the index (its checksum,
+    the names it gives), that it fits a model of ``config`` with parameters ``whole_shapes`` (as the
+    run will build it: ``Parallel3D.config`` and ``.whole_shapes``), every file's size and SHA-256,
+    tensors only in each (``weights_only``), the steps, and that the pieces of every tensor cover it
+    exactly once. Returns the step the checkpoint was saved at. Any refusal is a ``CheckpointError``."""
+    index = read_index(path)
+    check_fits(index, path, config, whole_shapes)
+    reader = _Reader(path, index)
+    for name in index["files"]:
+        reader.file(name)
+    for name in index["shapes"]:
+        for kind in KINDS:
+            if kind == "param" or reader.pieces(name, kind):  # moments: none before the first step
+                reader.whole(name, kind)
+        reader.optimizer_step(name)
+    return index["step"]
 
 
 def load(par, path: str, expected_step: int | None = None) -> int:

@@ -21,12 +21,14 @@ with one line naming it and what is allowed, and exit code 2.
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import os
 import sys
 
 from minitp import runs  # noqa: F401  (registers every strategy)
-from minitp.launcher import LaunchError
+from minitp.launcher import LaunchError, RankError
+from minitp.plan import MAX_GPUS
 from minitp.runs.registry import STRATEGIES, Option, OptionError, Strategy
 
 
@@ -41,6 +43,23 @@ def _check_output_file(flag: str, path: str | None) -> None:
         raise ValueError(f"{flag} {path}: the folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"{flag} {path} is not writable")
+
+
+# what a rank may raise that is the input's or the disk's fault, not the code's: said in the rank's own one line
+OS_ERRORS = {name for name, kind in vars(builtins).items() if isinstance(kind, type) and issubclass(kind, OSError)}
+
+
+def _rank_one_line(error: LaunchError) -> tuple[str, int] | None:
+    """A rank's ``CheckpointError`` (a checkpoint refused: exit 2, as in the parent) or ``OSError``
+    (a file it could not read or write, a full disk: exit 1) as one line, naming the rank; None for
+    anything else, whose traceback the learner needs."""
+    lines = error.remote_traceback.strip().splitlines() if isinstance(error, RankError) else []
+    kind, said, message = lines[-1].partition(": ") if lines else ("", "", "")
+    if said and kind == "minitp.checkpoint.CheckpointError":
+        return f"rank {error.rank}: {message}", 2
+    if said and kind in OS_ERRORS:
+        return f"rank {error.rank}: {message}", 1
+    return None
 
 
 def _write_json(data: dict, path: str) -> None:
@@ -77,6 +96,8 @@ def _plan(args: argparse.Namespace) -> int:
     from minitp.models import get_config
     from minitp.models.moe import MOE_PRESETS
 
+    if args.gpus is not None and args.gpus > MAX_GPUS:  # the planner answers at once up to it
+        raise OptionError("gpus", args.gpus, f"an integer from 1 to {MAX_GPUS}", "--gpus")
     for flag, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory)):
         if value is None:
             raise ValueError(f"{flag} is required: minitp plan --model llama3-8b --gpus 64 --gpu-memory 80")
@@ -99,8 +120,12 @@ def _plan(args: argparse.Namespace) -> int:
              f"{args.gpu_memory:g} GiB" + (f", sequences split over cp = {args.cp}" if args.cp > 1 else "")
              + (f", experts split over ep = {args.ep}" if args.ep > 1 else ""))
     if not any(r["fits"] for r in rows):  # say so, and show how far each layout is from fitting
+        refused = []
         rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
-                         "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=True, **options)
+                         "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=True,
+                         refused=refused, **options)
+        if not rows:  # none is possible at all: say why, in one line
+            raise ValueError(plan.why_no_layout(refused, args.gpus, args.batch_size, args.cp, args.ep))
         title += "\nno layout fits; every possible one, with what it would need:"
     print(plan.format_plan(rows, title))
     if args.json:
@@ -113,7 +138,7 @@ def _plan(args: argparse.Namespace) -> int:
 PLAN_OPTIONS = (
     Option("model", str, "llama3-8b", "preset, or 'custom' with the sizes below",
            choices=("tiny", "llama3-8b", "llama3-70b", "mixtral-8x7b", "custom")),
-    Option("gpus", int, None, "number of GPUs", low=1, optional=True),
+    Option("gpus", int, None, f"number of GPUs (at most {MAX_GPUS})", low=1, optional=True),
     Option("gpu_memory", float, None, "memory per GPU in GiB", above=0, optional=True),
     Option("gpus_per_node", int, 8, "GPUs per machine (tp stays inside one)", low=1),
     Option("batch_size", int, None, "global batch in sequences (default: one per GPU)", low=1, optional=True),
@@ -155,8 +180,20 @@ CALIBRATE_OPTIONS = (
 )
 
 
+class _Usage(Exception):
+    """A command line argparse cannot read, as its one line: ``minitp run 3d: error: argument --dp: ...``."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands'), whose error is one line without the usage block above
+    it (``--help`` shows that): ``minitp run 3d: error: argument --dp: invalid int value: 'x'``."""
+
+    def error(self, message: str):
+        raise _Usage(f"{self.prog}: error: {message}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minitp", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="minitp", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train with a strategy on N processes and check it",
@@ -184,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     cal.set_defaults(func=_calibrate, options=CALIBRATE_OPTIONS)
 
-    args = parser.parse_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the command they were given to: minitp run ddp: error: unrecognized arguments: ...
+            where = ["minitp", args.command] + ([args.strategy] if args.command == "run" else [])
+            raise _Usage(f"{' '.join(where)}: error: unrecognized arguments: {' '.join(unknown)}")
+    except _Usage as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         for option in args.options:  # every value, before anything runs
             option.check(getattr(args, option.name))
@@ -196,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minitp: error: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:  # a rank failed or hung: its message carries the rank's own traceback
+        one_line = _rank_one_line(e)
+        if one_line is not None:  # ... unless what it raised says all in one line (the file, what was wrong)
+            print(f"minitp: error: {one_line[0]}", file=sys.stderr)
+            return one_line[1]
         print(f"minitp: error: {e}", file=sys.stderr)
         return 1
 

@@ -119,7 +119,7 @@ def _record(op: str, tensor: torch.Tensor, nbytes: int, group, label: str, start
         rank=dist.get_rank(), kind="comm", op=op, label=tr.label(label), start=start, end=start,
         group=ranks, dim=group_dim(group), peer=peer, shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).replace("torch.", ""), bytes=nbytes,
-        sent_bytes=_trace.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes),
+        sent_bytes=_trace.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes), **tr.tags(),
     )
     return tr.add(event)
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 from minitp import comm
 from minitp.models.moe import MoEFeedForward, RoutedFeedForward, Routing, combine, moe_layers
 from minitp.regions import all_to_all_rows
-from minitp.replicas import GradientSync, all_reduce_mean
+from minitp.replicas import GradientSync, all_reduce_mean, used_by_no_rank
 
 
 def experts_of_rank(n_experts: int, ep: int, rank: int) -> range:
@@ -151,18 +151,48 @@ class ExpertParallel(GradientSync, nn.Module):
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Average the replicated gradients over dp (one flat all-reduce); the experts' over their
-        copies (one flat all-reduce over expert_dp_group, when there are copies), or divide them."""
+        copies (one flat all-reduce over expert_dp_group, every expert in it, when there are copies),
+        or divide them."""
         grads = [p.grad for p in self.replicated_params]
         if any(g is None for g in grads):
             missing = [i for i, g in enumerate(grads) if g is None]
             raise RuntimeError(f"replicated parameters {missing[:5]} got no gradient; every rank must use them")
         all_reduce_mean(grads, self.dp_group, self.dp_size, "ep/replicated_grads")
-        experts = [p.grad for p in self.expert_params if p.grad is not None]
         if self.expert_dp_group is not None and comm.group_size(self.expert_dp_group) > 1:
-            all_reduce_mean(experts, self.expert_dp_group, self.dp_size, "ep/expert_grads")
-        else:
-            for g in experts:
-                g.div_(self.dp_size)
+            # every copy sends every expert's slot, so the copies' buffers line up whichever experts
+            # got tokens where; an expert no copy's tokens reached keeps grad None, as on one process
+            all_reduce_mean_of_used(self.expert_params, self.expert_dp_group, self.dp_size, "ep/expert_grads")
+        else:  # the only copy: an expert with no gradient got no token from any rank
+            for p in self.expert_params:
+                if p.grad is not None:
+                    p.grad.div_(self.dp_size)
+
+
+@torch.no_grad()
+def all_reduce_mean_of_used(params: list[torch.nn.Parameter], group, divide_by: int, label: str) -> None:
+    """``all_reduce_mean`` of the gradients of ``params`` when a rank may not have used some of them
+    (``grad`` None here): every rank sends a slot for every parameter, so the ranks' buffers line up
+    whatever each used. A parameter this rank did not use sends -0.0, one it used never does (+0.0
+    added), so after the sum a parameter no rank used reads -0.0 everywhere and keeps ``grad`` None,
+    as on one process; one used elsewhere gets the average, this rank counting as zeros."""
+    if not params:
+        return
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    views, offset = [], 0
+    for p in params:
+        view = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is None:  # not used here: -0.0 says so
+            view.fill_(-0.0)
+        else:  # divided first, as all_reduce_mean does; used here: never -0.0
+            torch.div(p.grad, divide_by, out=view).add_(0.0)
+        views.append(view)
+    comm.all_reduce(flat, group=group, label=label)
+    for p, averaged in zip(params, views):
+        if p.grad is not None:
+            p.grad.copy_(averaged)
+        elif not used_by_no_rank(averaged):  # used on another rank: the average, in a tensor of its own
+            p.grad = averaged.clone()
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:

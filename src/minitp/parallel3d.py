@@ -61,7 +61,8 @@ class Parallel3D:
     (``cuda:LOCAL_RANK`` under NCCL, else the CPU).
 
     Read by others: ``mesh``, ``data_parallel``, ``zero``, ``module`` (the pieces this rank holds,
-    under the plain model's names), ``split_dims``, ``ddp`` / ``fsdp`` (None when not used),
+    under the plain model's names), ``split_dims``, ``replicas`` (the data-parallel wrapper, whichever:
+    ``ddp``, ``fsdp`` or ``expert_parallel``; None when not used), ``context`` (context parallel's),
     ``pipeline`` (None when pp = 1), ``optimizer``, ``device``, ``config`` and ``whole_shapes``
     (the plain model's config and {name: shape} before any split: what a checkpoint checks).
     """
@@ -123,7 +124,7 @@ class Parallel3D:
             self.ddp = self.replicas = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
         elif mesh.ep == 1 and mesh.dp > 1:
             self.fsdp = self.replicas = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
-        self.step_model = self.replicas or module
+        self.step_model = module if self.replicas is None else self.replicas
         self.pipeline = interleaved
         if stage is not None:  # the pipeline calls the wrapper, computing in its dtype
             dtype = self.fsdp.compute_dtype if self.fsdp else stage.dtype
@@ -150,11 +151,11 @@ class Parallel3D:
             with _trace.span("backward"):
                 loss.backward()
             return loss.item()
-        with self.replicas.no_sync() if self.replicas else nullcontext():
+        with self.replicas.no_sync() if self.replicas is not None else nullcontext():
             record = self.pipeline.forward_backward(tokens, targets)
         self.aux_per_step = float(sum(self._aux_parts)) if self._aux_parts else 0.0  # one sync, not one per layer
         self._aux_parts.clear()
-        if self.replicas:
+        if self.replicas is not None:  # DDP, FSDP or expert parallel: the same protocol
             self.replicas.finish_gradients()
         return record.loss
 
@@ -167,7 +168,9 @@ class Parallel3D:
         return hook
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
-        self.optimizer.zero_grad(set_to_none=False)
+        # None, as one process's zero_grad(): a parameter this step leaves unused (an expert no token
+        # reached) keeps no gradient, so AdamW skips it rather than moving it by momentum and decay
+        self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(tokens, targets)
         with _trace.span("optimizer"):
             self.optimizer.step()

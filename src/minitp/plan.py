@@ -28,14 +28,16 @@ layouts that fit come first, fastest predicted step first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, replace
 
 from minitp import cost
-from minitp.grid import check_3d_layout, check_zero, layouts
+from minitp.grid import check_3d_layout, check_zero, layouts  # noqa: F401  (plan.layouts: every layout)
 from minitp.layout import check_divisible, check_positive
 from minitp.models import ModelConfig
 
 GIB = 2**30
+MAX_GPUS = 2**20  # 1,048,576: ten times the largest training clusters; the planner answers at once up to it
 
 
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
@@ -122,7 +124,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
          precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
          include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100,
-         cp: int = 1, ep: int = 1) -> list[dict]:
+         cp: int = 1, ep: int = 1, refused: list | None = None) -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
@@ -131,9 +133,13 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     ``minitp.cost.activation_bytes_per_rank``; device: whose FLOP/s and links time the step;
     cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``).
     ep: expert parallel degree of a MoE model, fixed: the layouts whose dp·cp it divides.
+    refused: a list to which each layout the model or batch cannot take is appended, as (dp, pp, tp,
+    why) (``why_no_layout`` says it in one line when none is left).
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
+    if gpus > MAX_GPUS:
+        raise ValueError(f"gpus={gpus} is more than the planner's {MAX_GPUS} (2**20)")
     if gpu_memory_gib <= 0:
         raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
     check_positive("cp", cp)
@@ -146,13 +152,13 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
         check_divisible("seq_len", seq_len, "2·cp", 2 * cp)
     device = replace(device, gpus_per_node=gpus_per_node)
     rows = []
-    for dp, pp, tp in layouts(gpus // cp):
-        if tp > gpus_per_node:
-            continue  # a tensor-parallel group stays inside one machine
+    for dp, pp, tp in candidate_layouts(gpus // cp, gpus_per_node):
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
                               flash_attention, recompute, sequence_parallel, device, cp, ep)
-        except ValueError:
+        except ValueError as e:
+            if refused is not None:
+                refused.append((dp, pp, tp, str(e)))
             continue
         row["fits"] = row["memory_total"] <= gpu_memory_gib * GIB
         if row["fits"] or include_unfit:
@@ -163,6 +169,47 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
                              + r["bytes_per_step"].get("ep", 0.0),
                              r["bytes_per_step"]["tp"]))
     return rows
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, smallest first (trial division up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def candidate_layouts(n: int, gpus_per_node: int) -> list[tuple[int, int, int]]:
+    """The (dp, pp, tp) of ``n`` GPUs whose tensor-parallel group fits in a machine (tp <=
+    ``gpus_per_node``), by tp then pp, smallest first: ``grid.layouts(n)`` without the rest, found
+    among the divisors of n alone (a loop over every tp would take hours for a huge n)."""
+    found = divisors(n)
+    return [(n // (tp * pp), pp, tp) for tp in found if tp <= gpus_per_node
+            for pp in found if (n // tp) % pp == 0]
+
+
+def why_no_layout(refused: list, gpus: int, batch_size: int | None, cp: int = 1, ep: int = 1,
+                  micro_batch: int = 1) -> str:
+    """One line saying why no layout of ``gpus`` GPUs is possible, from what ``plan`` appended to its
+    ``refused`` list: the rule that excludes them all when one does (ep must divide dp·cp and dp the
+    batch), else the reasons the layouts were refused, the most common first."""
+    head = f"no layout of {gpus} GPUs is possible for this model and batch"
+    n = gpus // cp
+    batch_size = batch_size or n
+    if ep > 1:
+        step = ep // math.gcd(ep, cp)  # the smallest dp whose dp·cp ep divides
+        allowed = [dp for dp in divisors(n) if dp % step == 0]
+        if allowed and not any(batch_size % (dp * micro_batch) == 0 for dp in allowed):
+            dp_cp = "dp" if cp == 1 else f"dp·cp = dp·{cp}"
+            return (f"{head}: ep={ep} must divide {dp_cp} (each expert's ranks lie among the data-parallel ones), "
+                    f"so dp is {' or '.join(map(str, allowed))}, but batch_size={batch_size} splits into no such "
+                    f"number of replicas (it needs a multiple of {allowed[0] * micro_batch} sequences)")
+    reasons: dict[str, list[str]] = {}
+    for dp, pp, tp, why in refused:
+        reasons.setdefault(why, []).append(f"dp={dp} pp={pp} tp={tp}")
+    ranked = sorted(reasons.items(), key=lambda item: -len(item[1]))
+    said = [f"{why} ({where[0]}" + (f" and {len(where) - 1} more)" if len(where) > 1 else ")")
+            for why, where in ranked[:3]]
+    more = f"; and {len(ranked) - 3} other reasons" if len(ranked) > 3 else ""
+    return f"{head}: " + "; ".join(said) + more if said else head
 
 
 def format_plan(rows: list[dict], title: str = "") -> str:

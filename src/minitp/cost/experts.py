@@ -40,7 +40,8 @@ from minitp.cost.threed import rank_num_blocks, stage_num_tensors, stage_unit_nu
 from minitp.layout import check_divisible, check_positive, stage_num_blocks
 
 __all__ = ["COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "ep3d_run_bytes",
-           "moe_param_split", "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
+           "moe_param_split", "ep_params_per_rank", "idle_experts", "ep_memory_per_rank", "moe_all_to_all_bytes",
+           "active_params",
            "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
            "moe_activation_bytes_per_rank"]
 
@@ -84,7 +85,7 @@ def ep_run_bytes(layer_counts: list[list[list[list[int]]]], rank: int, dim: int,
 def ep3d_run_bytes(layer_counts: list[list[list[list[int]]]], rank: int, dim: int, replicated_params: int,
                    expert_params: int, dp: int, ep: int, dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes a rank of a dp-rank mesh dimension sends over a run when its ep group (ep consecutive
-    dp ranks) shares one set of experts (``minitp.ep.mesh_ep_groups``), per dimension:
+    dp ranks) shares one set of experts (``minitp.mesh.Mesh`` with ``ep``), per dimension:
 
     * "ep": its group's all-to-alls, ``ep_layer_bytes`` of the routing that happened
       (``layer_counts[step][layer]``: ep x E kept assignments, one row per rank of its ep group;
@@ -113,9 +114,45 @@ def ep_params_per_rank(cfg, ep: int) -> int:
     return replicated + experts // ep
 
 
-def ep_memory_per_rank(cfg, ep: int, precision: str = "fp32", num_tensors: int = 0) -> dict[str, float]:
-    """Bytes one rank holds in parameters, gradients and AdamW state: ``memory_per_rank`` of its own."""
-    return memory_per_rank(ep_params_per_rank(cfg, ep), 1, zero=0, precision=precision, num_tensors=num_tensors)
+EXPERT_TENSORS = 3  # w1, w2, w3: one AdamW step counter each
+
+
+def idle_experts(kept: list[list[list[int]]], ep: int, rank: int) -> tuple[int, int]:
+    """How many of the experts ``rank`` holds (E/ep of every layer) held nothing, from the routing that
+    happened: ``kept[step][layer]``, the (E,) assignments each expert kept, summed over every rank whose
+    tokens reach this rank's experts or their copies. Returns (experts no token reached in the last
+    step: no gradient after it, since ``zero_grad()`` set it to None; experts no token ever reached:
+    never stepped, so no AdamW moments and no step counters)."""
+    if not kept:
+        raise ValueError("kept holds no step: the routing of at least one step is needed")
+    n_experts = len(kept[0][0])
+    check_divisible("n_experts", n_experts, "ep", ep)
+    per = n_experts // ep
+    mine = range(rank * per, (rank + 1) * per)
+    last = sum(1 for layer in kept[-1] for e in mine if layer[e] == 0)
+    never = sum(1 for j in range(len(kept[0])) for e in mine if all(step[j][e] == 0 for step in kept))
+    return last, never
+
+
+def _without_idle(held: dict[str, float], cfg, idle: tuple[int, int], precision: str,
+                  counters: bool) -> dict[str, float]:
+    """``held`` less what ``idle`` experts do not hold (``idle_experts``): the gradients of the first
+    count, the AdamW state (moments, and step counters when ``counters``) of the second."""
+    no_grad, never = idle
+    one = memory_per_rank(cfg.expert_params(), 1, zero=0, precision=precision,
+                          num_tensors=EXPERT_TENSORS if counters else 0)
+    return {"params": held["params"], "grads": held["grads"] - no_grad * one["grads"],
+            "optimizer": held["optimizer"] - never * one["optimizer"]}
+
+
+def ep_memory_per_rank(cfg, ep: int, precision: str = "fp32", num_tensors: int = 0,
+                       idle: tuple[int, int] = (0, 0)) -> dict[str, float]:
+    """Bytes one rank holds in parameters, gradients and AdamW state: ``memory_per_rank`` of its own
+    (``num_tensors``: every tensor it holds). idle: (experts with no gradient after the last step,
+    experts never stepped) of the rank, from the routing that happened (``idle_experts``): as on one
+    process, an expert no token reached holds parameters only."""
+    held = memory_per_rank(ep_params_per_rank(cfg, ep), 1, zero=0, precision=precision, num_tensors=num_tensors)
+    return _without_idle(held, cfg, idle, precision, counters=num_tensors > 0)
 
 
 def moe_all_to_all_bytes(tokens: int, dim: int, top_k: int, ep: int, dispatch_bytes: float = 2,
@@ -179,11 +216,14 @@ def ep_stage_unit_numels(cfg, tp: int, pp: int, stage: int, ep: int,
 
 
 def ep_mesh_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, ep: int, data_parallel: str = "ddp",
-                            zero: int = 3, precision: str = "fp32", virtual_stages: int = 1) -> dict[str, float]:
+                            zero: int = 3, precision: str = "fp32", virtual_stages: int = 1,
+                            idle: tuple[int, int] = (0, 0)) -> dict[str, float]:
     """Bytes a rank holds in parameters, gradients and AdamW state when ``dp`` ranks share the dense
     weights and ep of them split the experts: the dense units as ``threed_memory_per_rank`` over dp, plus
     its E/ep experts, sharded by FSDP (ZeRO ``zero``) over their dp/ep copies, whole under DDP. DDP's
-    step counters: per block 7 dense tensors (wq wk wv wo, router, two norms) and 3·E/ep expert ones."""
+    step counters: per block 7 dense tensors (wq wk wv wo, router, two norms) and 3·E/ep expert ones.
+    idle (DDP, tp = 1): what the rank's experts no token reached do not hold, as in ``ep_memory_per_rank``
+    (``idle_experts`` of the routing summed over every dp rank of the stage: the copies share gradients)."""
     check_divisible("dp", dp, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
     dense, experts = ep_stage_unit_numels(cfg, tp, pp, stage, ep, virtual_stages)
     blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
@@ -194,6 +234,11 @@ def ep_mesh_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, ep: int,
             held.append(fsdp_memory_per_rank(units, n, zero, precision))
         else:
             held.append(memory_per_rank(sum(units), 1, zero=0, precision=precision, num_tensors=count))
+    if idle != (0, 0):
+        if data_parallel == "fsdp" or tp > 1:
+            raise ValueError(f"idle experts are counted for DDP with tp=1 (whole experts), got "
+                             f"data_parallel={data_parallel!r}, tp={tp}")
+        held[1] = _without_idle(held[1], cfg, idle, precision, counters=True)
     return {k: held[0][k] + held[1][k] for k in held[0]}
 
 

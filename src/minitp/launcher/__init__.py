@@ -15,8 +15,10 @@ Why the machinery:
   process, so it is shipped by value with cloudpickle. On Linux the processes are forked (about
   1.5 s for 8 ranks, against 11-14 s to spawn 8 fresh interpreters that each import torch); each
   forces one torch thread first, since a forked child hangs in a thread pool its parent started.
-* Ranks meet through a file in a fresh temporary folder (no port to pick, none to collide); the
-  backend then connects them over the loopback interface only, so nothing listens on the network.
+* Ranks meet through a file in a fresh temporary folder (no port to pick, none to collide), opened
+  as a ``FileStore`` by its path (no ``file://`` URL, which a folder named with ``?``, ``#`` or ``%``
+  would cut short); the backend then connects them over the loopback interface only, so nothing
+  listens on the network.
 * A rank that raises ends the run at once: the parent kills every other rank and raises
   ``RankError`` carrying that rank's traceback. A rank that dies without a result (a signal, the
   out-of-memory killer) is the cause over the survivors' "connection closed" errors. A run past
@@ -26,7 +28,10 @@ Why the machinery:
   by a parent killed outright (its pid is in the name) is removed by the next launch.
 * Under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR set) nothing is started: every process runs
   ``fn`` itself and gets the same ``Results`` back, so worker code runs unchanged. The addresses
-  are torchrun's (the user's choice); ``timeout`` still holds, enforced by a watchdog thread.
+  are torchrun's (the user's choice); ``timeout`` still holds, enforced by a watchdog thread. The
+  variables are checked before joining (a rank in range, integers, an address that resolves), and
+  the join itself waits at most ``MINITP_JOIN_TIMEOUT`` seconds (60) for every rank: stale variables
+  in a shell are named in seconds, not after the whole timeout.
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
     check_launch(nprocs, backend=backend, timeout=timeout, start_method=start_method, max_procs=max_procs)
     if under_torchrun():
         return _launch_in_place(fn, args, backend, timeout)
-    if guard.WORKER_ENV in os.environ:
+    if guard.in_launched_rank():  # MINITP_WORKER names this very process (a stale value names another)
         raise LaunchError("launch() was called inside a launched rank; launch from the parent process")
     import multiprocessing as mp
 
@@ -365,7 +370,7 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
     faulthandler.enable(file=sys.stderr)
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's clean-up handler
-    os.environ.update({guard.WORKER_ENV: "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+    os.environ.update({guard.WORKER_ENV: str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1", _progress.DIR_ENV: workdir})
     guard.listen_on_loopback()
     status, value, tb, tr = "ok", None, "", None
@@ -380,8 +385,11 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
         # torch reads TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported; a forked rank
         # inherited that import, so read the variable again as the parent has it now.
         dist.set_debug_level_from_env()
-        dist.init_process_group(backend, init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
-                                rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout))
+        # the rendezvous file by its path: any folder name works, and no two runs share a file
+        store = dist.FileStore(os.path.join(workdir, "rendezvous"), nprocs)
+        store.set_timeout(timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=nprocs,
+                                timeout=timedelta(seconds=timeout))
         with _trace.recording(rank) as tr:
             value = fn(*args)
         open(os.path.join(workdir, f"rank{rank}.returned"), "w").close()  # for a timeout's message
@@ -413,6 +421,34 @@ class _Ran:
     trace: _trace.Trace
 
 
+def _join(backend: str, rank: int, world: int, timeout: float) -> None:
+    """Join torchrun's process group (env://: MASTER_ADDR, MASTER_PORT), every rank present within
+    ``guard.join_timeout``; then the run's ``timeout`` holds for every collective. Under torchrun's own
+    store (TORCHELASTIC_USE_AGENT_STORE) connecting waits for no one, so the ranks also check in."""
+    import torch.distributed as dist
+
+    join = guard.join_timeout(timeout)
+    env = os.environ
+    where = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '?')}"
+    deadline = time.monotonic() + join
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=join)))
+        attempt = f"minitp/join/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a restarted group checks in anew
+        store.set(f"{attempt}/{rank}", "1")
+        left = max(deadline - time.monotonic(), 0.1)
+        store.wait([f"{attempt}/{r}" for r in range(world)], timedelta(seconds=left))
+    except Exception as e:
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LaunchError(
+            f"rank {rank} of {world} could not join the process group at {where} within {join:g} s "
+            f"(timeout={timeout:g} s; {guard.JOIN_TIMEOUT_ENV} sets the join's, default {guard.JOIN_TIMEOUT_S} s): "
+            f"not all WORLD_SIZE={world} ranks came; if torchrun did not start this process, RANK, WORLD_SIZE, "
+            f"MASTER_ADDR and MASTER_PORT are stale: unset them ({said})") from e
+    store.set_timeout(timedelta(seconds=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+
+
 def _launch_in_place(fn, args, backend: str, timeout: float) -> Results:
     """Run ``fn`` in this process, one rank of torchrun's world; nobody above us enforces the timeout,
     so a watchdog thread does."""
@@ -428,12 +464,7 @@ def _launch_in_place(fn, args, backend: str, timeout: float) -> Results:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         owns_group = not dist.is_initialized()
         if owns_group:
-            where = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')}"
-            try:
-                dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-            except Exception as e:
-                raise LaunchError(f"rank {rank} of {world} could not join the process group at {where} "
-                                  f"within timeout={timeout:g} s: {e}") from e
+            _join(backend, rank, world, timeout)
         with _trace.recording(rank) as tr:
             value = fn(*args)
         everyone: list = [None] * world

@@ -1,6 +1,10 @@
 """What keeps ``minitp.launch`` safe: its arguments checked before any process starts, a cap on
 processes from the memory each one costs, ranks that listen on loopback only, no temporary folder
 left behind by a parent that was killed, and a watchdog for the timeout under torchrun.
+
+It also reads minitp's environment variables, all through ``env_flag`` and ``env_int`` (one spelling
+of "on" and "off", one error naming the variable and its value), and checks torchrun's (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) before a rank tries to join with them.
 """
 
 from __future__ import annotations
@@ -20,14 +24,125 @@ BACKENDS = ("gloo", "nccl")
 # 2.13 CPU, Linux: 160-165 MiB; a spawned rank holds 145 MiB of its own). The default process cap.
 RANK_MEMORY_BYTES = 160 * 2**20
 MAX_PROCS_ENV = "MINITP_MAX_PROCS"
-WORKER_ENV = "MINITP_WORKER"  # set in every rank that launch started
+PROGRESS_ENV = "MINITP_PROGRESS"  # 1: show a live progress line (``minitp.launcher.progress``)
+JOIN_TIMEOUT_ENV = "MINITP_JOIN_TIMEOUT"  # seconds a torchrun rank waits for the others to join
+JOIN_TIMEOUT_S = 60  # its default: torchrun starts every rank at once, so the join takes seconds
+# Set in every rank that launch started, to that rank's own pid: a value inherited by another process
+# (a stale export in a shell, a program a rank started) names another pid and is ignored.
+WORKER_ENV = "MINITP_WORKER"
 WORKDIR = re.compile(r"minitp-(\d+)-")  # a launch's temporary folder: minitp-<parent pid>-<random>
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+              "off": False, "": False}
+
+
+# -- environment variables ---------------------------------------------------------------------------
+def env_flag(name: str, default: bool = False) -> bool:
+    """The boolean environment variable ``name``: 1/0, true/false, yes/no or on/off in any case (empty
+    is off), ``default`` when unset. Anything else is a ValueError naming the variable and its value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word not in FLAG_WORDS:
+        raise ValueError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+    return FLAG_WORDS[word]
+
+
+def env_int(name: str, default: int | None = None, low: int = 1) -> int | None:
+    """The integer environment variable ``name`` (decimal digits, at least ``low``), ``default`` when
+    unset. Anything else is a ValueError naming the variable and its value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = _integer(raw)
+    if value is None or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {raw!r}")
+    return value
+
+
+def _integer(text: str) -> int | None:
+    """``text`` as a decimal integer (ASCII digits, an optional sign, spaces around), else None: int()
+    alone takes '²' for a digit in isdigit() and fails on it, and reads other scripts' digits."""
+    text = text.strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,18}", text):
+        return None
+    return int(text)
+
+
+def in_launched_rank() -> bool:
+    """True in a rank that ``launch`` started (it set MINITP_WORKER to its own pid)."""
+    return os.environ.get(WORKER_ENV) == str(os.getpid())
 
 
 def under_torchrun() -> bool:
     """True inside a process started by torchrun (or any env:// launcher), not by ``launch``."""
+    return all(k in os.environ for k in TORCHRUN_ENV) and not in_launched_rank()
+
+
+def check_environment() -> None:
+    """Read every minitp variable that a launch reads later (in the parent as in the ranks), so that a
+    bad value is refused here, before any process starts."""
+    env_flag(PROGRESS_ENV)
+    env_int(MAX_PROCS_ENV)
+    env_int(JOIN_TIMEOUT_ENV)
+
+
+_STALE = ("this process takes itself for a rank of torchrun because RANK, WORLD_SIZE and MASTER_ADDR are set; "
+          "if torchrun did not start it, they are stale: unset them")
+
+
+def check_torchrun(nprocs: int | None, backend: str = "gloo") -> int:
+    """Check torchrun's variables before this process joins with them; return WORLD_SIZE. Each wrong
+    one is a ValueError naming it, in seconds: joining with them would wait out the whole timeout."""
     env = os.environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) and WORKER_ENV not in env
+    world = _integer(env["WORLD_SIZE"])
+    if world is None or world < 1:
+        raise ValueError(f"WORLD_SIZE must be an integer >= 1, got {env['WORLD_SIZE']!r} ({_STALE})")
+    if nprocs is not None and nprocs != world:
+        raise ValueError(f"launch(nprocs={nprocs}) under torchrun, whose WORLD_SIZE is {world}; "
+                         f"pass nprocs={world} or None")
+    rank = _integer(env["RANK"])
+    if rank is None:
+        raise ValueError(f"RANK must be an integer from 0 to WORLD_SIZE-1 = {world - 1}, got {env['RANK']!r} "
+                         f"({_STALE})")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is not a rank of WORLD_SIZE={world}: expected 0 to {world - 1} ({_STALE})")
+    local = env.get("LOCAL_RANK")
+    if local is not None:
+        local_rank = _integer(local)
+        if local_rank is None or local_rank < 0:
+            raise ValueError(f"LOCAL_RANK must be an integer >= 0, got {local!r} ({_STALE})")
+        if backend == "nccl":
+            import torch
+
+            if local_rank >= torch.cuda.device_count():
+                raise ValueError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPUs are visible: "
+                                 f"backend='nccl' puts local rank r on cuda:r")
+    env_int(JOIN_TIMEOUT_ENV)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return world  # the caller joined already, by its own means: the address is not ours to check
+    port = env.get("MASTER_PORT")
+    if port is None:
+        raise ValueError(f"MASTER_PORT is not set: rank 0 listens on MASTER_ADDR:MASTER_PORT ({_STALE})")
+    port_number = _integer(port)
+    if port_number is None or not 1 <= port_number <= 65535:
+        raise ValueError(f"MASTER_PORT must be a port number from 1 to 65535, got {port!r}")
+    address = env["MASTER_ADDR"]
+    try:
+        socket.getaddrinfo(address, port_number, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError) as e:
+        raise ValueError(f"MASTER_ADDR={address!r} does not resolve to an address ({e}); rank 0's host name "
+                         f"or IP address is expected") from None
+    return world
+
+
+def join_timeout(timeout: float) -> float:
+    """Seconds a torchrun rank waits for the others to join: ``MINITP_JOIN_TIMEOUT`` (default 60), at
+    most half the run's ``timeout``, so that a join that fails says so (naming the variables) before
+    the watchdog ends the run."""
+    return min(timeout / 2, env_int(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S))
 
 
 def check_launch(nprocs: int | None, *, backend: str = "gloo", timeout: float = 120.0,
@@ -48,11 +163,9 @@ def check_launch(nprocs: int | None, *, backend: str = "gloo", timeout: float = 
         raise ValueError(f"start_method must be None or one of {', '.join(methods)}, got {start_method!r}")
     if max_procs is not None and not _is_count(max_procs):
         raise ValueError(f"max_procs must be an integer >= 1 or None, got {max_procs!r}")
+    check_environment()
     if under_torchrun():  # torchrun chose the processes; nprocs may only repeat its world size
-        world = int(os.environ["WORLD_SIZE"])
-        if nprocs is not None and nprocs != world:
-            raise ValueError(f"launch(nprocs={nprocs}) under torchrun, whose WORLD_SIZE is {world}; "
-                             f"pass nprocs={world} or None")
+        check_torchrun(nprocs, backend)
         return
     if not _is_count(nprocs):
         raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
@@ -76,11 +189,9 @@ def process_cap(max_procs: int | None = None) -> tuple[int | None, str]:
     the available memory holds at ``RANK_MEMORY_BYTES`` a rank (None when memory cannot be read)."""
     if max_procs is not None:
         return max_procs, f"max_procs={max_procs} was passed to launch; pass a larger one to run more"
-    raw = os.environ.get(MAX_PROCS_ENV)
-    if raw is not None:
-        if not raw.strip().isdigit() or int(raw) < 1:
-            raise ValueError(f"{MAX_PROCS_ENV} must be an integer >= 1, got {raw!r}")
-        return int(raw), f"{MAX_PROCS_ENV}={raw.strip()} is set; set it higher to run more"
+    cap = env_int(MAX_PROCS_ENV)
+    if cap is not None:
+        return cap, f"{MAX_PROCS_ENV}={cap} is set; set it higher to run more"
     available = available_memory()
     if available is None:
         return None, "the available memory could not be read"

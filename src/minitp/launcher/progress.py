@@ -16,7 +16,9 @@ import os
 import sys
 import time
 
-ENV = "MINITP_PROGRESS"
+from minitp.launcher.guard import PROGRESS_ENV, env_flag
+
+ENV = PROGRESS_ENV
 DIR_ENV = "MINITP_PROGRESS_DIR"
 SHOW_AFTER_S = 1.0  # shorter runs show nothing
 EVERY_S = 0.5  # at most two updates a second
@@ -44,7 +46,8 @@ def to(callback):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+    """``MINITP_PROGRESS`` read as ``guard.env_flag`` reads every flag: 1/0, true/false, yes/no, on/off."""
+    return env_flag(ENV)
 
 
 def step(index: int, total: int | None = None, what: str = "step") -> None:

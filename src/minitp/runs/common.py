@@ -11,9 +11,10 @@ import torch
 from minitp import cost
 from minitp import trace as _trace
 from minitp.launcher import RANK_MEMORY_BYTES, check_launch, progress
-from minitp.launcher.guard import available_memory
+from minitp.launcher.guard import available_memory, env_flag
 from minitp.measure import calibrate
 from minitp.models import get_config, loss_fn
+from minitp.models.moe import moe_config
 from minitp.models.train import TrainConfig
 from minitp.runs.references import full_batch, max_abs_diff
 from minitp.runs.registry import OptionError, check_options
@@ -29,31 +30,53 @@ def check_run(strategy: str, values: dict, data_parallel: int, tensor_parallel: 
     if values["seq_len"] > cfg.max_seq_len:
         raise OptionError("seq_len", values["seq_len"], f"an integer from 1 to {cfg.max_seq_len}, the model's "
                           f"max_seq_len")
-    check_memory(cfg, values["nproc"], values["batch_size"] // max(1, data_parallel), values["seq_len"],
-                 tensor_parallel)
+    check_memory(built_config(strategy, cfg, values), values["nproc"], values["batch_size"] // max(1, data_parallel),
+                 values["seq_len"], tensor_parallel)
     return TrainConfig(steps=values["steps"], batch_size=values["batch_size"], seq_len=values["seq_len"],
                        lr=values["lr"], seed=values["seed"])
 
 
+def built_config(strategy: str, cfg, values: dict):
+    """The model the run's ranks build from preset ``cfg``: its MoE variant (``values["experts"]``
+    experts per block) for expert parallel, alone or in 3D (ep > 1), else ``cfg``."""
+    if strategy == "ep" or values.get("ep", 1) > 1:
+        experts = values["experts"]  # top_k only bounds its own check, made by the runner
+        return moe_config(cfg, n_experts=experts, top_k=min(values.get("top_k", 2), experts))
+    return cfg
+
+
 def estimate_rank_bytes(cfg, local_batch: int, seq: int, tp: int = 1) -> float:
     """A generous estimate of what one rank needs: the whole model's parameters, gradients and AdamW
-    state (16 bytes per parameter in fp32, unsharded: an upper bound for every strategy), the
-    activations of its batch (``cost.activation_bytes_per_rank`` in fp32, attention scores stored),
-    and the logits with their softmax and gradient."""
-    acts = cost.activation_bytes_per_rank(cfg, local_batch, seq, tp, 1, 0, 1, dtype_bytes=4,
-                                          flash_attention=False)
+    state (16 bytes per parameter in fp32, unsharded: an upper bound for every strategy; every rank
+    builds the whole model first, a MoE's experts included), the activations of its batch
+    (``cost.activation_bytes_per_rank`` in fp32, attention scores stored; a MoE's,
+    ``cost.moe_activation_bytes_per_rank``, and its routing's one-hot queues of k·S assignments over
+    E experts, int64, three at once), and the logits with their softmax and gradient."""
+    moe = hasattr(cfg, "n_experts")
+    activation_bytes = cost.moe_activation_bytes_per_rank if moe else cost.activation_bytes_per_rank
+    acts = activation_bytes(cfg, local_batch, seq, tp, 1, 0, 1, dtype_bytes=4, flash_attention=False)
     logits = 4 * local_batch * seq * cfg.vocab_size * 4
-    return RANK_MEMORY_BYTES + 16 * cfg.num_params() + acts + logits
+    routing = 3 * 8 * local_batch * seq * cfg.top_k * cfg.n_experts if moe else 0
+    return RANK_MEMORY_BYTES + 16 * cfg.num_params() + acts + logits + routing
+
+
+SKIP_MEMORY_CHECK_ENV = "MINITP_SKIP_MEMORY_CHECK"  # 1: start the ranks whatever the estimate says
 
 
 def check_memory(cfg, nproc: int, local_batch: int, seq: int, tp: int = 1) -> None:
     """Refuse a run whose ranks would need more memory than the machine has (before starting them)."""
+    skip = env_flag(SKIP_MEMORY_CHECK_ENV)  # read (and checked) whatever the estimate says
     need = nproc * estimate_rank_bytes(cfg, local_batch, seq, tp)
     have = available_memory()
-    if have is not None and need > have and not os.environ.get("MINITP_SKIP_MEMORY_CHECK"):
+    if have is not None and need > have and not skip:
+        moe = hasattr(cfg, "n_experts")
+        model = (f"{cfg.num_params() / 1e9:.2f} B parameters" + (f" with {cfg.n_experts} experts per block" if moe
+                                                                 else ""))
         raise ValueError(f"this run needs about {need / 2**30:.1f} GiB ({nproc} ranks x "
-                         f"{need / nproc / 2**30:.2f} GiB, batch {local_batch} x {seq} tokens per rank) but "
-                         f"{have / 2**30:.1f} GiB is available: use a smaller batch_size, seq_len or nproc")
+                         f"{need / nproc / 2**30:.2f} GiB: each builds the whole model, {model}, and holds "
+                         f"batch {local_batch} x {seq} tokens) but {have / 2**30:.1f} GiB is available: use a "
+                         f"smaller batch_size, seq_len or nproc" + (", or fewer experts" if moe else "")
+                         + f" ({SKIP_MEMORY_CHECK_ENV}=1 runs it anyway)")
 
 
 def train_steps(model, step_model, batches, shard, optimizer, loss=loss_fn) -> tuple[list[float], list[float]]:

@@ -2,23 +2,49 @@
 
 from __future__ import annotations
 
+import time
+
 from minitp import cost, ep, layout
-from minitp.launcher import launch
+from minitp import trace as _trace
+from minitp.cost.experts import idle_experts
+from minitp.launcher import launch, progress
 from minitp.measure.memory import held_bytes
 from minitp.models import get_config
 from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers, moe_loss
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.runs.common import build_report, check_run, state_of, train_steps, worker_summary
-from minitp.runs.registry import Option, Strategy, register
+from minitp.runs.common import build_report, check_run, state_of, worker_summary
+from minitp.runs.registry import MAX_EXPERTS, Option, Strategy, register
 from minitp.runs.report import Report
 
 
+def moe_train_steps(model, step_model, batches, shard, optimizer) -> tuple[list[float], list[float]]:
+    """``runs.train_steps`` as one process trains a MoE, with ``zero_grad()``'s default: the gradients
+    set to None before each step, so an expert no token reached in a step has none and AdamW leaves it
+    alone (zeroed in place, its momentum and weight decay would move it). The reference and the ranks
+    run this same loop. Returns (local losses, step times)."""
+    losses, times, loss = [], [], moe_loss(model)
+    for tokens, targets in batches:
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with _trace.span("forward"):
+            value = loss(step_model(shard(tokens)), shard(targets))
+        with _trace.span("backward"):
+            value.backward()
+        with _trace.span("optimizer"):
+            optimizer.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(value.item())
+        progress.step(len(times) - 1, len(batches))
+    return losses, times
+
+
 def moe_reference(cfg: MoEConfig, train: TrainConfig) -> tuple[list[float], dict, dict]:
-    """The same MoE model trained on one process with the whole batch, by the same loop as the ranks:
-    (losses, final parameters, {"routed", "kept"}: per step and layer, (E,) assignments per expert)."""
+    """The same MoE model trained on one process with the whole batch, by the same loop as the ranks
+    (``moe_train_steps``): (losses, final parameters, {"routed", "kept"}: per step and layer, (E,)
+    assignments per expert)."""
     model = build_moe_model(cfg, seed=train.seed)
     optimizer = make_optimizer(model.parameters(), train.lr)
-    losses, _ = train_steps(model, model, synthetic_batches(cfg, train), lambda t: t, optimizer, loss=moe_loss(model))
+    losses, _ = moe_train_steps(model, model, synthetic_batches(cfg, train), lambda t: t, optimizer)
     layers = moe_layers(model)
     load = {kind: [[getattr(layer, kind)[s].tolist() for layer in layers] for s in range(train.steps)]
             for kind in ("routed", "history")}
@@ -34,8 +60,7 @@ def _ep_worker(cfg: MoEConfig, train: TrainConfig) -> dict:
     parallel = ep.ExpertParallel(model, ep_group, dp_group)
     optimizer = make_optimizer(model.parameters(), train.lr)
     shard = lambda batch: batch.chunk(n)[dist.get_rank()]  # this rank's B/n sequences
-    losses, times = train_steps(model, parallel, synthetic_batches(cfg, train), shard, optimizer,
-                                loss=moe_loss(model))
+    losses, times = moe_train_steps(model, parallel, synthetic_batches(cfg, train), shard, optimizer)
     layers = moe_layers(model)
     return worker_summary(losses, times, held_bytes(model.parameters(), optimizer), state=ep.local_state(model),
                           num_tensors=len(list(model.parameters())),
@@ -64,7 +89,6 @@ def run_ep(nproc: int = 4, steps: int = 4, experts: int = 8, top_k: int = 2, cap
     counts = [[[r["kept"][s][layer] for r in results] for layer in range(cfg.n_layers)] for s in range(steps)]
     replicated, _ = cost.moe_param_split(cfg)
     by_dim = [cost.ep_run_bytes(counts, rank, cfg.dim, replicated) for rank in range(nproc)]
-    expected_memory = [cost.ep_memory_per_rank(cfg, nproc, num_tensors=r["num_tensors"]) for r in results]
     per_rank = [{**r, "state": ep.full_state([q["state"] for q in results])} for r in results]
 
     def total(kind: str) -> list[list[list[int]]]:  # [step][layer]: (E,) summed over the ranks
@@ -72,6 +96,11 @@ def run_ep(nproc: int = 4, steps: int = 4, experts: int = 8, top_k: int = 2, cap
                  for layer in range(cfg.n_layers)] for s in range(steps)]
 
     kept, routed = total("kept"), total("routed")
+    # what AdamW really holds: an expert no token reached in the last step has no gradient, one no token
+    # ever reached no moments either (as on one process with zero_grad()); the routing says which
+    idle = [idle_experts(kept, nproc, rank) for rank in range(nproc)]
+    expected_memory = [cost.ep_memory_per_rank(cfg, nproc, num_tensors=r["num_tensors"], idle=i)
+                       for r, i in zip(results, idle)]
     return build_report(
         "ep", {"dp": nproc, "tp": 1, "pp": 1, "ep": nproc}, per_rank, results, model, train,
         [sum(d.values()) for d in by_dim], expected_memory, reference=(ref_losses, ref_state),
@@ -83,15 +112,17 @@ def run_ep(nproc: int = 4, steps: int = 4, experts: int = 8, top_k: int = 2, cap
         aux_loss_coef=aux_loss_coef, params_per_rank=cost.ep_params_per_rank(cfg, nproc),
         routing_counts=counts, load_per_expert=routed, kept_per_expert=kept,
         dropped=[[batch_size * seq_len * top_k - sum(layer) for layer in step] for step in kept],
-        routing_matches_reference=kept == ref_load["kept"])
+        routing_matches_reference=kept == ref_load["kept"],
+        idle_experts=[{"no_gradient": i[0], "never_stepped": i[1]} for i in idle])
 
 
 register(Strategy("ep", run_ep, "expert parallel: a MoE model's experts over the ranks, tokens sent by all-to-all", (
-    Option("experts", int, 8, "experts per MoE layer (a multiple of nproc)", low=1),
+    Option("experts", int, 8, "experts per MoE layer (a multiple of nproc)", low=1, high=MAX_EXPERTS),
     Option("top_k", int, 2, "experts each token is sent to", low=1),
     Option("capacity_factor", float, 1.25, "an expert takes at most ceil(c·S·k/E) tokens of a sequence; "
-           "experts/top_k or more drops nothing (None from Python: no limit)", above=0, optional=True),
+           "experts/top_k or more drops nothing (None from Python: no limit)", above=0, high=MAX_EXPERTS,
+           optional=True),
     Option("aux_loss_coef", float, 0.01, "weight of the load-balancing loss", low=0),
 )))
 
-__all__ = ["run_ep", "moe_reference"]
+__all__ = ["run_ep", "moe_reference", "moe_train_steps"]

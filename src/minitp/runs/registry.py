@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STEPS = 10_000  # a checked run also trains the one-process reference and holds every batch
+# The most experts a MoE layer may have (2**20; far past any published model, and past what this
+# machine's memory holds, which the run's memory estimate says); also the largest capacity factor:
+# experts/top_k or more drops nothing, so a larger one means nothing more and would overflow.
+MAX_EXPERTS = 2**20
 
 
 class OptionError(ValueError):
@@ -56,11 +60,15 @@ class Option:
             return "one of " + ", ".join(str(c) for c in self.choices)
         kind = {int: "an integer", float: "a finite number", str: "a text", bool: "true or false"}[self.type]
         if self.low is not None and self.high is not None:
-            return f"{kind} from {self.low:g} to {self.high:g}"
+            return f"{kind} from {_number(self.low)} to {_number(self.high)}"
+        if self.above is not None and self.high is not None:
+            return f"{kind} > {_number(self.above)} and at most {_number(self.high)}"
         if self.low is not None:
-            return f"{kind} >= {self.low:g}"
+            return f"{kind} >= {_number(self.low)}"
         if self.above is not None:
-            return f"{kind} > {self.above:g}"
+            return f"{kind} > {_number(self.above)}"
+        if self.high is not None:
+            return f"{kind} <= {_number(self.high)}"
         return kind
 
     def check(self, value: Any) -> None:
@@ -92,6 +100,11 @@ class Option:
             raise bad
         if self.high is not None and value > self.high:
             raise bad
+
+
+def _number(x: float) -> str:
+    """A bound as people write it: 1048576, not 1.04858e+06; 0.5 as 0.5."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
 # Every runner takes these; the strategy's own options come after them.

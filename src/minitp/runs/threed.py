@@ -6,8 +6,11 @@ import os
 import time
 from dataclasses import replace
 
+import torch
+
 from minitp import checkpoint, cost, grid, layout
 from minitp import trace as _trace
+from minitp.cost.experts import idle_experts
 from minitp.ep import full_state as ep_full_state
 from minitp.launcher import launch
 from minitp.mesh import Mesh
@@ -19,7 +22,7 @@ from minitp.pp_schedules import SCHEDULES
 from minitp.runs.common import build_report, check_run, step_events, worker_summary
 from minitp.runs.expert_parallel import moe_reference
 from minitp.runs.references import full_batch
-from minitp.runs.registry import COMMON, Option, Strategy, register
+from minitp.runs.registry import COMMON, MAX_EXPERTS, Option, Strategy, register
 from minitp.runs.report import Report
 
 
@@ -73,6 +76,7 @@ def _check_output_folder(name: str, path: str | None) -> None:
         raise ValueError(f"{name}={path!r}: its parent folder {parent!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)):
         raise ValueError(f"{name}={path!r} is not writable")
+    checkpoint.check_save_folder(path, f"{name}={path!r}")  # a folder holding anything else: refused, untouched
 
 
 def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp: bool = False,
@@ -101,6 +105,11 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     """
     nproc = dp * cp * pp * tp if nproc is None else nproc
     train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
+    if dp * cp * pp * tp != nproc:  # named as they were given: the mesh's dp axis (dp·cp ranks) is no one's input
+        given = {"dp": dp, "cp": cp, "pp": pp, "tp": tp} if cp > 1 else {"dp": dp, "pp": pp, "tp": tp}
+        names, sizes = "*".join(given), "*".join(map(str, given.values()))
+        raise ValueError(f"{names} = {sizes} = {dp * cp * pp * tp} but the world has {nproc} ranks "
+                         f"(nproc={nproc}; leave it out and it is {names})")
     cfg = get_config(model)
     grid.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
@@ -122,7 +131,13 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         layout.check_divisible(f"each replica's batch (batch_size={batch_size} / dp={dp})", batch_size // dp,
                                "microbatches", microbatches)
     _check_output_folder("save_to", save_to)
-    start_step = checkpoint.read_index(resume_from)["step"] if resume_from else 0
+    start_step = 0
+    if resume_from:  # every check a rank's load would make, here, on the model the ranks will build
+        config = moe or cfg
+        with torch.device("meta"):  # its shapes only: no memory, no initialisation
+            plain = build_moe_model(config) if moe is not None else build_model(config)
+        shapes = {name: tuple(p.shape) for name, p in plain.named_parameters()}
+        start_step = checkpoint.check_before_launch(resume_from, config, shapes)
     if not start_step < steps:
         raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
     options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule)
@@ -192,7 +207,16 @@ def _ep_report(cfg: MoEConfig, dp: int, ep: int, pp: int, results, model: str, t
                 by_rank[r] = {**sent, "pp": pp_bytes}
             replicas[first // ep].update(ep_full_state([{k: v for k, (v, _) in g["shards"].items()} for g in group]))
     by_dim = [by_rank[r] for r in range(len(results))]
-    expected_memory = [cost.ep_mesh_memory_per_rank(cfg, dp, 1, pp, r["coords"][1], ep) for r in results]
+    def stage_kept(stage):  # [step][layer]: (E,) kept assignments over every dp rank and micro-batch of the stage
+        group = [results[grid.rank_of(d, stage, 0, pp, 1)] for d in range(dp)]
+        layers = cost.rank_num_blocks(cfg.n_layers, pp, stage, 1)
+        return [[[sum(g["kept"][s][i * layers + j][e] for g in group for i in range(len(g["kept"][s]) // layers))
+                  for e in range(cfg.n_experts)] for j in range(layers)] for s in range(steps)]
+
+    kept = [stage_kept(s) for s in range(pp)]  # experts no token reached hold no gradient (or AdamW state)
+    expected_memory = [cost.ep_mesh_memory_per_rank(cfg, dp, 1, pp, r["coords"][1], ep,
+                                                    idle=idle_experts(kept[r["coords"][1]], ep, r["coords"][0] % ep))
+                       for r in results]
     per_rank = []
     for r in results:
         d, stage, _ = r["coords"]
@@ -222,7 +246,7 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
            low=1),
     Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
            "(tp=1, DDP)", low=1),
-    Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1),
+    Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1, high=MAX_EXPERTS),
     Option("fsdp", bool, False, "FSDP across replicas instead of DDP"),
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)", choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)", low=1,

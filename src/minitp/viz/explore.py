@@ -7,10 +7,11 @@ re-runs on every change of a control (after a short pause, so dragging a slider 
 which ranks are at which step while the run goes, keeps the previous figures until the new ones arrive,
 and shows a failed run's error in the panel.
 
-On the website there is no kernel. When a notebook is executed to be stored (``make notebooks``,
-nbval), the same cell also runs a small grid of settings for real and stores them as a *static twin*:
+On the website there is no kernel. A chapter's cell asks for a *static twin* explicitly,
+``explore(...).with_twin()``: a small grid of settings, each run for real, stored with the notebook as
 HTML whose buttons switch between the stored figures, with no script (radio inputs and CSS), so it
-works on any page. ``make lab`` sets ``MINITP_LIVE=1``: a learner's cell runs only the setting shown.
+works on any page. Displaying the panel never launches a run of its own. ``make lab`` sets
+``MINITP_LIVE=1``: ``with_twin`` is skipped and a learner's cell runs only the setting shown.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import hashlib
 import html
 import io
 import itertools
-import os
 import re
 import time
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minitp.launcher import progress as _progress
+from minitp.launcher.guard import env_flag
 
 LIVE_ENV = "MINITP_LIVE"  # set by `make lab`: skip the stored grid, the learner has a kernel
 DEBOUNCE_S = 0.4  # a change waits this long for the next one before a run starts
@@ -136,7 +137,7 @@ class Explorer:
     shown: str = ""  # the HTML of the figures now shown
     error: str = ""  # the last failed run's error, "" after a run that worked
     runs: int = 0
-    twin: str | None = None  # the static twin's HTML, built on first display
+    twin: str | None = None  # the static twin's HTML, built by with_twin()
     _widget: Any = None
     _parts: dict = field(default_factory=dict)
     _timer: Any = None  # the pending run's handle on the kernel's loop
@@ -299,10 +300,16 @@ class Explorer:
         self.update(**pending)
 
     # -- display ------------------------------------------------------------------------------------
+    def with_twin(self) -> Explorer:
+        """Run the website's grid of settings now, each for real, and keep its static twin to show
+        with the live control: an explicit call in the chapter's cell (``explore(...).with_twin()``),
+        never a side effect of displaying. Skipped under ``MINITP_LIVE`` (the learner has a kernel)."""
+        live = env_flag(LIVE_ENV)
+        if self.twin is None and not live:
+            self.twin = self.build_static()
+        return self
+
     def _repr_mimebundle_(self, include=None, exclude=None):
-        live = os.environ.get(LIVE_ENV, "") not in ("", "0")
-        if self.twin is None:
-            self.twin = "" if live else self.build_static()
         data = {}
         try:
             data.update(self.widget()._repr_mimebundle_(include=include, exclude=exclude) or {})
