@@ -160,3 +160,20 @@ def test_a_file_that_cannot_be_read_as_text_or_at_all_is_set_aside(tmp_path, mon
     _is_set_aside(f"ignored: {path} is not a calibration file (not text")
     monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path))  # a folder
     _is_set_aside(f"ignored: {tmp_path} is not a calibration file (")
+
+
+@pytest.mark.parametrize("where", ["folder", "under_a_file", "unwritable"])
+def test_calibrate_refuses_where_it_cannot_store_before_measuring(tmp_path, monkeypatch, capsys, where):
+    measured = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda: measured.append(1) or {})
+    (tmp_path / "file").write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    path = {"folder": tmp_path, "under_a_file": tmp_path / "file" / "cal.json",
+            "unwritable": locked / "cal.json"}[where]
+    if where == "unwritable":
+        monkeypatch.setattr(calibrate.os, "access", lambda p, mode: not str(p).startswith(str(locked)))
+    monkeypatch.setenv("MINITP_CALIBRATION", str(path))
+    assert cli.main(["calibrate"]) == 2 and measured == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "calibration" in err[0]

@@ -165,6 +165,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from minitp.measure import calibrate
 
     _check_output_file("--json", args.json)
+    if not args.dry_run:  # where it will be stored, before seconds of measuring
+        calibrate.check_store()
     cal = calibrate.calibrate()
     print(calibrate.format_calibration(cal))
     if not args.dry_run:

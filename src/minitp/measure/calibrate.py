@@ -150,6 +150,23 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
     }
 
 
+def check_store(path: str | None = None) -> str:
+    """Refuse, before anything is measured, a place ``save`` could not write: a folder given as the
+    file, a file where a folder of the path should be, a folder that cannot be written. Returns the path."""
+    path = os.path.abspath(path or calibration_path())
+    if os.path.isdir(path):
+        raise ValueError(f"the calibration file {path} is a folder; set {CALIBRATION_ENV} to a file's path")
+    folder = os.path.dirname(path)
+    while not os.path.exists(folder):  # the first part of the path that exists must be a writable folder
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot store the calibration at {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot store the calibration at {path}: {folder} is not writable; set "
+                         f"{CALIBRATION_ENV} to a writable place or use --dry-run")
+    return path
+
+
 def save(cal: dict, path: str | None = None) -> str:
     """Write a calibration (JSON) where ``load_calibration`` reads it; returns the path."""
     path = path or calibration_path()
