@@ -79,15 +79,17 @@ def check_memory(cfg, nproc: int, local_batch: int, seq: int, tp: int = 1) -> No
                          + f" ({SKIP_MEMORY_CHECK_ENV}=1 runs it anyway)")
 
 
-def train_steps(model, step_model, batches, shard, optimizer, loss=loss_fn) -> tuple[list[float], list[float]]:
+def train_steps(model, step_model, batches, shard, optimizer, loss=loss_fn,
+                set_to_none: bool = False) -> tuple[list[float], list[float]]:
     """The training loop every strategy's worker shares: forward/backward on this rank's part of
     each global batch, optimizer step. Gradients are left in place after the last step so memory
     is measured with them held. ``loss(output, targets)``: tensor parallel passes its own.
-    Returns (local losses, step times)."""
+    ``set_to_none``: gradients set to None before each step (``zero_grad()``'s default), where a
+    parameter a step does not reach must keep none (a MoE's idle experts). Returns (local losses, step times)."""
     losses, times = [], []
     for tokens, targets in batches:
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=set_to_none)
         with _trace.span("forward"):
             value = loss(step_model(shard(tokens)), shard(targets))
         with _trace.span("backward"):

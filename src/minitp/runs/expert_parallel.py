@@ -2,40 +2,24 @@
 
 from __future__ import annotations
 
-import time
-
 from minitp import cost, ep, layout
-from minitp import trace as _trace
 from minitp.cost.experts import idle_experts
-from minitp.launcher import launch, progress
+from minitp.launcher import launch
 from minitp.measure.memory import held_bytes
 from minitp.models import get_config
 from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers, moe_loss
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.runs.common import build_report, check_run, state_of, worker_summary
+from minitp.runs.common import build_report, check_run, state_of, train_steps, worker_summary
 from minitp.runs.registry import MAX_EXPERTS, Option, Strategy, register
 from minitp.runs.report import Report
 
 
 def moe_train_steps(model, step_model, batches, shard, optimizer) -> tuple[list[float], list[float]]:
-    """``runs.train_steps`` as one process trains a MoE, with ``zero_grad()``'s default: the gradients
-    set to None before each step, so an expert no token reached in a step has none and AdamW leaves it
-    alone (zeroed in place, its momentum and weight decay would move it). The reference and the ranks
-    run this same loop. Returns (local losses, step times)."""
-    losses, times, loss = [], [], moe_loss(model)
-    for tokens, targets in batches:
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with _trace.span("forward"):
-            value = loss(step_model(shard(tokens)), shard(targets))
-        with _trace.span("backward"):
-            value.backward()
-        with _trace.span("optimizer"):
-            optimizer.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(value.item())
-        progress.step(len(times) - 1, len(batches))
-    return losses, times
+    """``runs.common.train_steps`` as one process trains a MoE, with ``zero_grad()``'s default: the
+    gradients set to None before each step, so an expert no token reached in a step has none and AdamW
+    leaves it alone (zeroed in place, its momentum and weight decay would move it). The reference and
+    the ranks run this same loop. Returns (local losses, step times)."""
+    return train_steps(model, step_model, batches, shard, optimizer, loss=moe_loss(model), set_to_none=True)
 
 
 def moe_reference(cfg: MoEConfig, train: TrainConfig) -> tuple[list[float], dict, dict]:
