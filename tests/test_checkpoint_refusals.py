@@ -38,15 +38,6 @@ def saved(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Any process started fails the test: the refusal must come from the parent."""
-    def launch(*args, **kwargs):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr("minitp.runs.threed.launch", launch)
-
-
 def _minitp(args: list[str], capsys) -> tuple[int, list[str]]:
     """Exit code and the lines printed to stderr by ``minitp run 3d ARGS``."""
     code = cli.main(["run", "3d", *args])

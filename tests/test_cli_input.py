@@ -9,15 +9,6 @@ from minitp import cli, runs
 from minitp.runs import common, registry
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if a run gets as far as starting processes."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("processes were started for input that should have been refused")
-    for module in ("data_parallel", "tensor_parallel", "pipeline", "threed", "context_parallel", "expert_parallel"):
-        monkeypatch.setattr(f"minitp.runs.{module}.launch", refuse)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["run", "ddp", "--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),
     (["run", "tp", "--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),

@@ -28,15 +28,6 @@ FLAG_ERROR = "expected 1/0, true/false, yes/no or on/off"
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if a run gets as far as starting processes."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("processes were started for input that should have been refused")
-    for module in ("data_parallel", "tensor_parallel", "pipeline", "threed", "context_parallel", "expert_parallel"):
-        monkeypatch.setattr(f"minitp.runs.{module}.launch", refuse)
-
-
-@pytest.fixture
 def private_tmp(tmp_path, monkeypatch):
     """launch's temporary folders go to a folder of this test's own."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
