@@ -30,3 +30,19 @@ def test_the_run_example_shows_the_numbers_a_run_gives():
     for loss in report["reference_loss"]:
         assert f"{loss:.6f}" in shown
     assert f"{report['memory'][0]['optimizer']:,}" in shown
+
+
+def test_every_train_and_sample_flag_the_readme_shows_exists(capsys):
+    from minitp import cli
+
+    for command in ("train", "sample"):
+        try:
+            cli.main([command, "--help"])
+        except SystemExit:
+            pass
+        known = set(re.findall(r"--[a-z-]+", capsys.readouterr().out))
+        lines = [line for line in README.splitlines() if re.search(rf"minitp(\.cli)? {command} ", line)]
+        assert lines, command
+        for line in lines:
+            shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line.split("#")[0].split(f" {command} ", 1)[1]))
+            assert shown <= known, (line, shown - known)

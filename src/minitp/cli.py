@@ -10,6 +10,8 @@
         [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100] [--cp C]
     minitp plan --model mixtral-8x7b --gpus 64 --gpu-memory 80 --ep 8   (a MoE: experts over ep GPUs)
     minitp calibrate                                              (this machine, for predicted step times)
+    minitp train --dp 2 --tp 2 --steps 300 --out runs/a [--resume] [--max-restarts N]   (real text, any layout)
+    minitp sample --checkpoint runs/a/checkpoint --prompt "def "  (text the trained model writes)
 
 trains the tiny model with a strategy on N local processes, checks it against the one-process
 reference, the traced bytes and the memory formulas, prints a short table and exits non-zero if
@@ -83,11 +85,17 @@ def _run(args: argparse.Namespace) -> int:
     strategy: Strategy = STRATEGIES[args.strategy]
     values = {o.name: getattr(args, o.name) for o in strategy.all_options()}
     _check_output_file("--json", args.json)
+    _check_output_file("--trace-out", args.trace_out)
     report = strategy.runner(**values)
     print(report.format())
     if args.json:
         report.to_json(args.json)
         print(f"report written to {args.json}")
+    if args.trace_out:
+        from minitp.viz.chrome_trace import report_coords, write_chrome_trace
+
+        write_chrome_trace(args.trace_out, report.traces, coords=report_coords(report))
+        print(f"trace written to {args.trace_out} (drag it onto ui.perfetto.dev, or Load it in chrome://tracing)")
     return 1 if report.check() else 0
 
 
@@ -182,6 +190,106 @@ CALIBRATE_OPTIONS = (
 )
 
 
+def _train(args: argparse.Namespace) -> int:
+    from minitp import trainer
+
+    if args.resume and args.out is None:
+        raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
+    _check_output_file("--trace-out", args.trace_out)
+    dims = {d: getattr(args, d) for d in ("dp", "tp", "pp", "cp")}
+    if args.layout == "auto" and any(v > 1 for v in dims.values()):
+        raise ValueError("--layout auto picks dp, tp and pp itself: give it --nproc N, without --dp/--tp/--pp/--cp")
+    if args.layout is None and args.nproc is not None:
+        raise ValueError("--nproc goes with --layout auto; otherwise the processes are dp x tp x pp x cp")
+    s = trainer.Settings(
+        model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+        data_parallel="fsdp" if args.fsdp else "ddp", zero=args.zero, schedule=args.schedule,
+        microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        warmup=args.warmup if args.warmup is not None else min(30, args.steps // 10), clip=args.clip,
+        eval_every=args.eval_every, save_every=args.save_every, out=args.out, resume=args.resume, seed=args.seed,
+        max_files=args.max_files, kill_at=args.kill_at)
+    if args.layout == "auto":
+        s, rows = trainer.auto_layout(s, args.nproc or 2)
+        print("minitp train --layout auto: the time model's step on this machine (minitp calibrate), fastest first")
+        for r in rows:
+            print(f"  dp {r['dp']} pp {r['pp']} tp {r['tp']}" + (f" (m={r['microbatches']})" if r["pp"] > 1 else "")
+                  + f": {r['step_s'] * 1e3:.0f} ms")
+    results = trainer.train(s, max_restarts=args.max_restarts, backend=args.backend)
+    from minitp.launcher import under_torchrun
+
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0
+    losses = next((r["losses"] for r in results if r["losses"]), [])
+    done = results[0]["start"] + len(losses)
+    said = f"last loss {losses[-1]:.3f} nats/byte" if losses else "no step left to run"
+    print(f"minitp train: at step {done} of {args.steps}, {said}"
+          + (f"; log, figure and checkpoint in {args.out}" if args.out else ""))
+    if args.trace_out:
+        from minitp.viz.chrome_trace import write_chrome_trace
+
+        coords = [dict(zip(("dp", "pp", "tp"), r["coords"])) for r in results]
+        write_chrome_trace(args.trace_out, results.traces, coords=coords)
+        print(f"the last step's trace written to {args.trace_out}")
+    if results[0]["stopped"]:
+        print(f"minitp train: stopped by Ctrl-C; the checkpoint holds step {done}: add --resume to go on",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _train_options():
+    from minitp.pp_schedules import SCHEDULES
+    from minitp.trainer import PRESETS
+
+    return (
+        Option("model", str, "byte", "byte-level model preset", choices=tuple(PRESETS)),
+        *(Option(dim, int, 1, help, low=1) for dim, help in (
+            ("dp", "data-parallel replicas"), ("tp", "tensor-parallel ranks"), ("pp", "pipeline stages"),
+            ("cp", "context-parallel ranks per replica (ring attention)"),
+            ("ep", "expert-parallel ranks (--model byte-moe)"))),
+        Option("layout", str, None, "auto: the planner picks dp, tp and pp for --nproc processes", choices=("auto",)),
+        Option("nproc", int, None, "processes for --layout auto (default 2)", low=1, optional=True),
+        Option("fsdp", bool, False, "FSDP across replicas (default DDP)"),
+        Option("zero", int, None, "ZeRO stage with --fsdp", choices=(None, 1, 2, 3)),
+        Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
+        Option("microbatches", int, 1, "micro-batches per step (pipeline)", low=1),
+        Option("steps", int, 300, "optimizer steps", low=1),
+        Option("batch_size", int, 16, "global batch, in sequences", low=1),
+        Option("seq_len", int, 128, "bytes per sequence", low=1),
+        Option("lr", float, 3e-3, "peak learning rate", above=0),
+        Option("warmup", int, None, "warm-up steps (default: a tenth of the steps, at most 30)", low=0, optional=True),
+        Option("clip", float, 1.0, "largest global gradient norm (0: no clipping)", low=0),
+        Option("eval_every", int, 100, "validation loss every N steps (0: only at the end)", low=0),
+        Option("save_every", int, 100, "checkpoint every N steps (0: only at the end and on Ctrl-C)", low=0),
+        Option("out", str, None, "folder for log.jsonl, loss.png and checkpoint/", metavar="DIR"),
+        Option("resume", bool, False, "continue from the checkpoint in --out, on this layout, when there is one"),
+        Option("max_restarts", int, 0, "relaunch from the last checkpoint when a rank dies, up to N times", low=0),
+        Option("seed", int, 0, "model and batch seed", low=0),
+        Option("max_files", int, None, "only the first N files of the corpus (quick tries)", low=1, optional=True),
+        Option("backend", str, "gloo", "gloo: CPU processes; nccl: one GPU per process", choices=("gloo", "nccl")),
+        Option("kill_at", int, None, "the last rank dies at step N, once (to watch a restart)", low=0, optional=True),
+    )
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from minitp import trainer
+
+    if args.checkpoint is None:
+        raise ValueError("--checkpoint DIR is required: the checkpoint folder of a minitp train run (OUT/checkpoint)")
+    model = trainer.load_for_sampling(args.checkpoint)
+    print(trainer.sample(model, args.prompt, args.tokens, args.temperature, args.seed))
+    return 0
+
+
+SAMPLE_OPTIONS = (
+    Option("checkpoint", str, None, "a minitp train checkpoint folder (DIR/checkpoint)", metavar="DIR"),
+    Option("prompt", str, "def ", "the text to continue"),
+    Option("tokens", int, 200, "bytes to write", low=1),
+    Option("temperature", float, 0.8, "sampling temperature (0: the most likely byte)", low=0),
+    Option("seed", int, 0, "sampling seed", low=0),
+)
+
+
 class _Usage(Exception):
     """A command line argparse cannot read, as its one line: ``minitp run 3d: error: argument --dp: ...``."""
 
@@ -208,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         for option in strategy.all_options():
             _add_option(one, option)
         one.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+        one.add_argument("--trace-out", metavar="FILE", help="also write every rank's compute spans and messages "
+                         "as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing)")
         one.set_defaults(func=_run, options=strategy.all_options())
 
     pl = sub.add_parser("plan", help="the dp x pp x tp layouts of N GPUs that fit a model (from minitp.cost); "
@@ -222,6 +332,22 @@ def main(argv: list[str] | None = None) -> int:
         _add_option(cal, option)
     cal.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     cal.set_defaults(func=_calibrate, options=CALIBRATE_OPTIONS)
+
+    train_options = _train_options()
+    tr = sub.add_parser("train", help="train a byte-level model on the Python standard library's source, on any "
+                                      "layout; checkpoints, resumes, restarts",
+                        description="Train a byte-level model on the Python standard library's own source, on "
+                                    "dp x tp x pp x cp x ep local processes (or under torchrun).")
+    for option in train_options:
+        _add_option(tr, option)
+    tr.add_argument("--trace-out", metavar="FILE", help="also write the last step's compute spans and messages "
+                    "as a Chrome trace (ui.perfetto.dev or chrome://tracing)")
+    tr.set_defaults(func=_train, options=train_options)
+
+    sa = sub.add_parser("sample", help="text a trained model writes (minitp train's checkpoint)")
+    for option in SAMPLE_OPTIONS:
+        _add_option(sa, option)
+    sa.set_defaults(func=_sample, options=SAMPLE_OPTIONS)
 
     try:
         args, unknown = parser.parse_known_args(argv)

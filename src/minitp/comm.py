@@ -137,6 +137,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # -- collectives ----------------------------------------------------------------------------------
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13: *_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, label: str = "", async_op: bool = False):
     """Reduce ``tensor`` over the group, in place; every rank ends with the result."""
     start = time.perf_counter()
@@ -154,7 +158,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, label: str
                          f"{n} ranks x {input.numel()} = {n * input.numel()}")
     start = time.perf_counter()
     event = _record("all_gather", output, _nbytes(output), group, label, start)
-    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    work = _all_gather(output, input, group=group, async_op=async_op)
     return _finish(work, event, async_op)
 
 
@@ -167,7 +171,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
                          f"{n} ranks x {output.numel()} = {n * output.numel()}")
     start = time.perf_counter()
     event = _record("reduce_scatter", input, _nbytes(input), group, label, start)
-    work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    work = _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
     return _finish(work, event, async_op)
 
 

@@ -25,13 +25,11 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
 * A parameter that **no rank used** (a branch the forward skipped) keeps ``grad`` None, as on one
   process, so the optimizer skips it: weight decay does not move it, its step count stays. The ranks
   agree on it inside the bucket's own all-reduce, with no extra byte: a rank that did not use a
-  parameter sends -0.0 for it. Adding -0.0 changes nothing (x + -0.0 = x, and 0.0 + -0.0 = 0.0), and
-  only a sum of -0.0 alone is -0.0, so an average that is -0.0 in every element was used by no rank.
-  A rank that used a parameter adds +0.0 to its share (-0.0 + 0.0 = +0.0; every other value stays),
-  so it never sends -0.0 and a used parameter never reads as unused; and only a rank that did not use
-  a parameter needs to look at its average (no pass over the bucket when every parameter was used).
-  (A backend whose sum started from +0.0 would read every parameter as used, and give it a zero
-  gradient.) A parameter used on some ranks gets the average, the other ranks counting as zeros.
+  parameter sends -0.0 for it. Adding -0.0 changes nothing (x + -0.0 = x), and only a sum of -0.0
+  alone is -0.0, so an average that is -0.0 in every element was used by no rank. A rank that used a
+  parameter adds +0.0 to its share (-0.0 + 0.0 = +0.0), so it never sends -0.0; only a rank that did
+  not use a parameter looks at its average. A parameter used on some ranks gets the average, the
+  other ranks counting as zeros.
 """
 
 from __future__ import annotations

@@ -355,6 +355,18 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
             for handle in handles:
                 handle.wait()
 
+    def gradient_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) of this rank's averaged gradient shard, parameter by parameter, padding left
+        out: what a norm over every shard counts (``minitp.trainer.clip_grad_norm_``)."""
+        pieces = []
+        for unit in (u for u in self.units if u.grad_shard is not None):
+            mine = self._shard_range(unit)
+            for slot in unit.plan.slots:
+                lo, hi = max(slot.offset, mine.start), min(slot.offset + slot.numel, mine.stop)
+                if lo < hi:
+                    pieces.append((slot.name, unit.grad_shard[lo - mine.start:hi - mine.start]))
+        return pieces
+
     # -- checking and saving ----------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -113,7 +113,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
 
     backend: "gloo" (CPU) or "nccl" (one GPU per rank, ``cuda:LOCAL_RANK``).
     timeout: seconds for the whole run, start-up included (under torchrun too).
-    start_method: "fork" (the default on Linux), "spawn" or "forkserver".
+    start_method: "fork" (the default on Linux without a GPU), "spawn" (the default elsewhere) or "forkserver".
     echo: print each rank's output (grouped by rank, in rank order) when the run ends.
     max_procs: the most processes allowed (default: ``MINITP_MAX_PROCS``, else what memory holds).
     """
@@ -128,7 +128,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
         raise LaunchError("launch() was called inside a launched rank; launch from the parent process")
     import multiprocessing as mp
 
-    method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
+    method = start_method or _default_start_method()
     ctx = mp.get_context(method)
     if method == "fork":
         guard.warm_optimizer_imports()
@@ -166,6 +166,15 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
         restore_sigterm()
+
+
+def _default_start_method() -> str:
+    """fork on Linux (a rank starts in a fraction of a second), except where torch sees a GPU: a forked
+    child can neither start CUDA nor run a backward once the parent has run one (autograd's device
+    threads), so there each rank starts afresh (spawn)."""
+    import torch
+
+    return "fork" if sys.platform.startswith("linux") and not torch.cuda.is_available() else "spawn"
 
 
 # -- parent side -----------------------------------------------------------------------------------
@@ -445,8 +454,10 @@ def _join(backend: str, rank: int, world: int, timeout: float) -> None:
             f"not all WORLD_SIZE={world} ranks came; if torchrun did not start this process, RANK, WORLD_SIZE, "
             f"MASTER_ADDR and MASTER_PORT are stale: unset them ({said})") from e
     store.set_timeout(timedelta(seconds=timeout))
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    # the group's keys under this attempt's name: torchrun's store outlives a restart, and the addresses
+    # the ranks of the failed attempt left in it must not be read by the new ones
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/default_pg", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
 
 
 def _launch_in_place(fn, args, backend: str, timeout: float) -> Results:

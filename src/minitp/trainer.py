@@ -1,0 +1,514 @@
+"""``minitp train``: a real model trained on real text, on any layout, and a run that survives a lost rank.
+
+The pieces are the course's: the corpus and its sampler (``minitp.data``: bytes of the Python standard
+library's own source, no download), the model (``minitp.models``), the layout (``Parallel3D`` on a
+``Mesh``), the checkpoint (``minitp.checkpoint``: sharded, loads into any other layout). What this
+module adds is what a real run needs around a step:
+
+- **the learning rate**: linear warm-up, then a cosine down to ``min_lr_ratio`` of the peak (``lr_at``);
+- **gradient clipping by the global norm** across every shard (``clip_grad_norm_``): each element of
+  the model counted once, wherever it lives, then one all-reduce over the whole world;
+- **validation** every ``eval_every`` steps on files the training never sees;
+- **an atomic checkpoint** every ``save_every`` steps, at the end, and on Ctrl-C (the ranks agree to
+  stop at the end of a step, save, and leave);
+- **resume** (``resume=True``): from the checkpoint in ``out`` when there is one, onto any layout; the
+  sampler is a pure function of the step, so the resumed run sees the batches the uninterrupted one would;
+- **restarts**: ``max_restarts`` relaunches a run whose rank died, from its last checkpoint (the same
+  as ``torchrun --max-restarts N ... -m minitp.cli train --resume``, which restarts the processes itself);
+- **a record**: ``out/log.jsonl`` (one JSON object per step, per validation and per start), ``out/loss.png``
+  drawn from it, and a progress bar (tqdm) with loss, tokens/s and MFU of this machine.
+
+Every rank computes the whole global batch's sampling (cheap) and ``Parallel3D`` keeps its share, so
+the run equals one process on the same batches (``reference``), clipping and schedule included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from minitp import checkpoint, comm
+from minitp import trace as _trace
+from minitp.data import Sampler, check_seq_len, load_corpus
+from minitp.grid import check_3d_layout, check_composition, check_zero
+from minitp.mesh import Mesh
+from minitp.models import ModelConfig, Transformer, build_model, loss_fn
+from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_loss
+from minitp.models.train import make_optimizer
+from minitp.parallel3d import Parallel3D
+
+# byte-level models sized for a laptop run (vocabulary: the 256 byte values)
+BYTE = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=384, max_seq_len=256)
+PRESETS = {
+    "byte": BYTE,  # 0.85 M parameters
+    "byte-4m": BYTE.with_(dim=256, n_layers=6, ffn_hidden=704),  # 4.6 M
+    "byte-moe": moe_config(BYTE, n_experts=4, top_k=2, expert_hidden=192, capacity_factor=None),  # for --ep
+}
+KILL_MARK = "killed-once"  # in ``out``: the planted failure happened (``kill_at``), not again after a restart
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "byte"
+    dp: int = 1  # data-parallel replicas (each of cp ranks under context parallel)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    data_parallel: str = "ddp"  # or "fsdp"
+    zero: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    steps: int = 300
+    batch_size: int = 16  # global, in sequences
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0  # the largest global gradient norm; 0: no clipping
+    eval_every: int = 100
+    eval_batches: int = 2
+    save_every: int = 100  # and at the end; 0: only at the end
+    out: str | None = None  # log.jsonl, loss.png and checkpoint/; None: nothing written
+    resume: bool = False  # from out/checkpoint when it holds one
+    seed: int = 0
+    max_files: int | None = None  # the first N files of the corpus only (tests)
+    kill_at: int | None = None  # tests and chapter 09: the last rank dies at this step, once
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def config(self) -> ModelConfig:
+        return PRESETS[self.model]
+
+    def check(self) -> None:
+        """Refuse what cannot run, with one sentence, before any process starts."""
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model {self.model!r}; expected one of {', '.join(PRESETS)}")
+        for name in ("dp", "tp", "pp", "cp", "ep", "steps", "batch_size", "seq_len", "microbatches", "eval_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        check_seq_len(self.seq_len, self.config.max_seq_len)
+        if self.ep > 1 and not isinstance(self.config, MoEConfig):
+            raise ValueError(f"ep={self.ep} needs a mixture of experts: add --model byte-moe")
+        if self.batch_size % (self.dp * self.microbatches):
+            raise ValueError(f"batch_size={self.batch_size} must divide by dp·microbatches = "
+                             f"{self.dp}·{self.microbatches}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup={self.warmup} must be from 0 to steps-1 = {self.steps - 1}")
+        if self.clip < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"expected clip >= 0, lr > 0 and 0 <= min_lr_ratio <= 1; got clip={self.clip}, "
+                             f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
+        if (self.resume or self.kill_at is not None) and not self.out:
+            raise ValueError("--resume and --kill-at need --out DIR (where the checkpoint is)")
+        check_composition(self.dp, self.pp, self.tp, self.cp, self.ep, self.data_parallel, self.schedule,
+                          self.virtual_stages)
+        check_3d_layout(self.config, self.dp * self.cp, self.pp, self.tp)
+        check_zero(self.data_parallel, self.zero, self.pp)
+
+    @property
+    def virtual_stages(self) -> int:
+        return 2 if self.schedule == "interleaved" else 1
+
+
+def lr_at(step: int, s: Settings) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine from ``lr`` down to ``min_lr_ratio``·lr at the end."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    progress = (step - s.warmup) / max(1, s.steps - 1 - s.warmup)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# -- the global gradient norm ----------------------------------------------------------------------------
+def owned_gradients(par: Parallel3D) -> list[torch.Tensor]:
+    """The gradient elements this rank counts in the global norm, so that over the world each element
+    of the model is counted once: pipeline stages and tp slices hold different elements (all count),
+    a replicated (norm) weight is the same on every tp rank (the first counts), DDP replicas hold the
+    same gradients after the average (the first replica counts; under context parallel the dp axis's
+    dp·cp ranks), FSDP shards are disjoint (all count), and under expert parallel the first ep ranks
+    of the dp axis hold every expert between them (as a checkpoint writes them)."""
+    coords = par.mesh.coords
+    split = lambda name: par.split_dims[name] is not None or coords.tp == 0
+    if par.fsdp is not None:
+        return [g for name, g in par.fsdp.gradient_pieces() if split(name)]
+    owner = lambda name: coords.dp == 0 or (coords.dp < par.mesh.ep and ".experts." in name)
+    return [p.grad for name, p in par.module.named_parameters() if p.grad is not None and split(name) and owner(name)]
+
+
+def all_gradients(par: Parallel3D) -> list[torch.Tensor]:
+    """Every gradient the optimizer will read on this rank: what clipping scales."""
+    if par.fsdp is not None:
+        return [g for _, g in par.fsdp.gradient_pieces()]
+    return [p.grad for p in par.module.parameters() if p.grad is not None]
+
+
+@torch.no_grad()
+def clip_grad_norm_(par: Parallel3D, max_norm: float) -> float:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), ``norm`` the whole model's gradient norm
+    (the 2-norm of every element, once): as ``torch.nn.utils.clip_grad_norm_`` on one process. One
+    all-reduce of a number over the world. Returns the norm before clipping."""
+    squares = torch.zeros((), dtype=torch.float32, device=par.device)
+    for g in owned_gradients(par):
+        squares += g.float().pow(2).sum()
+    comm.all_reduce(squares, label="clip/norm")  # stages, slices, shards: disjoint pieces of one sum
+    norm = squares.sqrt().item()
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        for g in all_gradients(par):
+            g.mul_(coef)
+    return norm
+
+
+# -- the run on each rank -------------------------------------------------------------------------------
+def build(cfg: ModelConfig, seed: int) -> Transformer:
+    return build_moe_model(cfg, seed=seed) if isinstance(cfg, MoEConfig) else build_model(cfg, seed=seed)
+
+
+def _world_mean(loss: float | None, device, stop: bool = False) -> tuple[float, bool]:
+    """The mean over the replicas of a loss only the last stage knows, and whether any rank asked to stop."""
+    t = torch.tensor([loss or 0.0, loss is not None, stop], dtype=torch.float64, device=device)
+    dist.all_reduce(t)  # bookkeeping, not a message of the strategy: left out of the trace
+    return (t[0] / t[1]).item(), bool(t[2] > 0)
+
+
+class _StopOnInterrupt:
+    """Ctrl-C asks for a stop: the ranks agree at the end of the step, save and leave."""
+
+    def __init__(self):
+        self.asked = False
+        self.old = signal.signal(signal.SIGINT, self._ask) if _main_thread() else None
+
+    def _ask(self, *_):
+        self.asked = True
+
+    def restore(self):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def evaluate(par: Parallel3D, sampler: Sampler, batches: int) -> float:
+    """The mean loss over ``batches`` validation batches. Each runs the step's own forward and backward
+    (the layout's only path through a pipeline); the gradients are then thrown away."""
+    total = 0.0
+    for i in range(batches):
+        loss = par.forward_backward(*sampler.batch(i))
+        par.optimizer.zero_grad(set_to_none=True)
+        total += _world_mean(loss, par.device)[0]
+    return total / batches
+
+
+def train_step(par: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
+               clip: float) -> tuple[float | None, float]:
+    """One optimizer step on the global batch: forward and backward (gradients averaged over the
+    replicas), clip by the global norm, step at ``lr``. Returns (this replica's loss or None off the
+    last stage, the norm before clipping)."""
+    par.optimizer.zero_grad(set_to_none=True)
+    loss = par.forward_backward(tokens, targets)
+    norm = clip_grad_norm_(par, clip)
+    for group in par.optimizer.param_groups:
+        group["lr"] = lr
+    with _trace.span("optimizer"):
+        par.optimizer.step()
+    return loss, norm
+
+
+def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int | None = None,
+                 keep_shards: bool = False) -> dict:
+    """One rank of a run: returns its losses and norms per step (and, ``keep_shards``, its pieces)."""
+    cfg = s.config
+    mesh = Mesh(s.dp * s.cp, s.pp, s.tp, cp=s.cp, ep=s.ep)
+    par = Parallel3D(build(cfg, s.seed), mesh, s.data_parallel, s.zero, s.microbatches, s.schedule, lr=s.lr,
+                     virtual_stages=s.virtual_stages)
+    corpus = load_corpus(max_files=s.max_files)
+    train, val = Sampler(corpus.train, s.batch_size, s.seq_len, s.seed), Sampler(corpus.val, s.batch_size, s.seq_len)
+    folder = os.path.join(s.out, "checkpoint") if s.out else None
+    start = 0
+    if s.resume and folder and os.path.exists(os.path.join(folder, checkpoint.INDEX)):
+        start = checkpoint.load(par, folder)
+    first = mesh.rank == 0
+    log = _Log(s, start, first)
+    if first:
+        log.write({"event": "start", "step": start, "world": mesh.world_size, "settings": asdict(s),
+                   "params": cfg.num_params(), "corpus": corpus.describe()})
+    flops_per_step = _flops_per_token(cfg, s.seq_len) * s.batch_size * s.seq_len
+    bar = _bar(s, start, progress_fd) if first else None
+    stop = _StopOnInterrupt()
+    losses, norms, recording, stopping = [], [], _trace.current(), False
+    try:
+        for step in range(start, s.steps):
+            if recording is not None:
+                recording.clear()  # keep the last step's record only (``--trace-out``), not a run's worth
+            if s.kill_at == step and mesh.rank == mesh.world_size - 1 and not os.path.exists(_kill_mark(s)):
+                open(_kill_mark(s), "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, planted: the whole run must notice
+            t0 = time.perf_counter()
+            loss, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
+            loss, stopping = _world_mean(loss, par.device, stop.asked)
+            seconds = time.perf_counter() - t0
+            losses.append(loss)
+            norms.append(norm)
+            done = step + 1
+            record = {"step": done, "loss": round(loss, 5), "grad_norm": round(norm, 5), "lr": lr_at(step, s),
+                      "seconds": round(seconds, 4), "tokens_per_s": round(s.batch_size * s.seq_len / seconds)}
+            if peak_flops:
+                record["mfu"] = round(flops_per_step / seconds / (peak_flops * mesh.world_size), 4)
+            if s.eval_every and (done % s.eval_every == 0 or done == s.steps):
+                record["val_loss"] = round(evaluate(par, val, s.eval_batches), 5)
+            if first:
+                log.write(record)
+                _advance(bar, record)
+            if folder and (stopping or done == s.steps or (s.save_every and done % s.save_every == 0)):
+                checkpoint.save(par, folder, step=done)
+            if stopping:
+                break
+    finally:
+        stop.restore()
+        if bar is not None:
+            bar.close()
+    out = {"losses": losses, "norms": norms, "start": start, "stopped": stopping,
+           "coords": [mesh.coords.dp, mesh.coords.pp, mesh.coords.tp]}
+    if keep_shards:
+        out["shards"] = par.local_shards()
+    return out
+
+
+def _kill_mark(s: Settings) -> str:
+    return os.path.join(s.out, KILL_MARK)
+
+
+def _flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    from minitp.cost import training_flops_per_token
+
+    return training_flops_per_token(cfg, seq)
+
+
+class _Log:
+    """``out/log.jsonl``, written by the first rank. A resumed run first drops the records of the
+    steps after its checkpoint (a crashed run got further than it saved): they are run again."""
+
+    def __init__(self, s: Settings, start: int, first: bool):
+        self.path = os.path.join(s.out, "log.jsonl") if s.out and first else None
+        if self.path and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) <= start] if start else []
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def write(self, record: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _bar(s: Settings, start: int, fd: int | None):
+    """The first rank's progress bar; under minitp's launcher on the parent's terminal (``fd``)."""
+    if fd is None and not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    stream = os.fdopen(os.dup(fd), "w") if fd is not None else sys.stderr
+    return tqdm(total=s.steps, initial=start, file=stream, unit="step", dynamic_ncols=True, mininterval=0.5)
+
+
+def _advance(bar, record: dict) -> None:
+    if bar is None:
+        return
+    shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,}"}
+    if "mfu" in record:
+        shown["mfu"] = f"{record['mfu']:.0%}"
+    if "val_loss" in record:
+        shown["val"] = f"{record['val_loss']:.3f}"
+    bar.set_postfix(shown, refresh=False)
+    bar.update(1)
+
+
+def auto_layout(s: Settings, nproc: int) -> tuple[Settings, list[dict]]:
+    """The planner's pick for ``nproc`` processes of this machine: every (dp, pp, tp) the model and the
+    batch allow (micro-batches: 2·pp with a pipeline), each step timed by the time model
+    (``minitp.cost.step_time``, fp32) on this machine's calibration; the fastest wins. Memory decides
+    nothing here: the byte models need a few tens of MB per process. Returns (the settings, every row)."""
+    from minitp import cost
+    from minitp.measure.calibrate import read_calibration
+    from minitp.plan import candidate_layouts
+
+    cal, why = read_calibration()
+    if cal is None:
+        raise ValueError(why or "--layout auto times each layout on this machine's calibration, and none is stored: "
+                         "run minitp calibrate first (about 10 s), or give --dp, --tp and --pp")
+    device, rows = cost.device_from_calibration(cal), []
+    for dp, pp, tp in candidate_layouts(nproc, nproc):
+        option = replace(s, dp=dp, pp=pp, tp=tp, cp=1, microbatches=2 * pp if pp > 1 else 1)
+        try:
+            option.check()
+        except ValueError:
+            continue
+        step = cost.step_time(s.config, s.batch_size, s.seq_len, dp, tp, pp, device, option.microbatches,
+                              s.data_parallel, s.zero or 3, "fp32").step_s
+        rows.append({"dp": dp, "pp": pp, "tp": tp, "microbatches": option.microbatches, "step_s": step})
+    if not rows:
+        raise ValueError(f"no layout of {nproc} processes takes the {s.model} model with batch {s.batch_size}")
+    rows.sort(key=lambda r: r["step_s"])
+    best = rows[0]
+    return replace(s, dp=best["dp"], pp=best["pp"], tp=best["tp"], cp=1, microbatches=best["microbatches"]), rows
+
+
+# -- the parent: checks, restarts, the figure ------------------------------------------------------------
+def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: bool = True,
+          keep_shards: bool = False, backend: str = "gloo"):
+    """Run ``s`` on ``s.world`` local processes (or in place under torchrun); relaunch up to
+    ``max_restarts`` times from the last checkpoint when a rank dies. backend: "gloo" (CPU) or "nccl"
+    (one GPU per process; no MFU is shown, as the peak is measured on a CPU core). Returns the last
+    launch's ``Results`` (each rank's ``train_worker`` dict)."""
+    from minitp.launcher import LaunchError, launch, under_torchrun
+
+    s.check()
+    corpus = load_corpus(max_files=s.max_files)  # built once here, not by every rank at once
+    if s.out:
+        os.makedirs(s.out, exist_ok=True)
+        checkpoint.check_save_folder(os.path.join(s.out, "checkpoint"))
+    peak = _peak_flops() if backend == "gloo" else None
+    fd = sys.stderr.fileno() if (echo and sys.stderr.isatty() and not under_torchrun()) else None
+    if echo:
+        print(f"minitp train: {s.model} ({s.config.num_params() / 1e6:.2f} M parameters) on {s.world} "
+              f"process{'es' * (s.world > 1)} (dp {s.dp}, tp {s.tp}, pp {s.pp}, cp {s.cp}, ep {s.ep}, "
+              f"{s.data_parallel}); {corpus.describe()}", flush=True)
+    for attempt in range(max_restarts + 1):
+        try:
+            with _interrupt_saves():
+                results = launch(train_worker, None if under_torchrun() else s.world, s, peak, fd, keep_shards,
+                                 timeout=timeout, echo=False, backend=backend)
+            break
+        except LaunchError as e:
+            if attempt == max_restarts or not s.out:
+                raise
+            print(f"minitp train: {str(e).splitlines()[0]}\nminitp train: restart {attempt + 1} of {max_restarts}, "
+                  f"from the last checkpoint in {s.out}", file=sys.stderr, flush=True)
+            s = replace(s, resume=True)
+    if s.out and (not under_torchrun() or os.environ["RANK"] == "0"):
+        try:
+            draw_log(os.path.join(s.out, "log.jsonl"), os.path.join(s.out, "loss.png"))
+        except ImportError:
+            print("minitp train: loss.png not drawn: matplotlib is not installed (pip install 'minitp[course]')",
+                  file=sys.stderr)
+    return results
+
+
+@contextlib.contextmanager
+def _interrupt_saves():
+    """In the parent, while the ranks run: the first Ctrl-C (which the ranks get too) lets them finish the
+    step and save; a second one stops everything at once."""
+    if not _main_thread():
+        yield
+        return
+    pressed = []
+
+    def on_interrupt(*_):
+        pressed.append(1)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+        print("\nminitp train: stopping at the end of this step and saving a checkpoint (Ctrl-C again: stop now)",
+              file=sys.stderr, flush=True)
+
+    old = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _peak_flops() -> float | None:
+    """One core's matrix-multiply FLOP/s (one thread, 512³ in fp32): from this machine's calibration
+    (``minitp calibrate``) when stored. MFU is the model's FLOPs per second over this, times the ranks."""
+    from minitp.measure.calibrate import matmul_flops_per_s, read_calibration
+
+    cal, _ = read_calibration()
+    if cal:
+        return cal.get("flops_per_s_large") or cal["flops_per_s"]
+    return matmul_flops_per_s(512, 512, 512, repeats=5)  # none stored: a quick measure (a fraction of a second)
+
+
+def read_log(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def draw_log(log_path: str, png_path: str) -> None:
+    """The loss curve of ``log_path``: training loss per step and validation loss, in nats per byte."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minitp.viz.train import loss_figure
+
+    fig = loss_figure(read_log(log_path))
+    fig.savefig(png_path, dpi=120, bbox_inches="tight")
+
+
+# -- the same run on one process: what every layout is checked against ---------------------------------------
+def reference(s: Settings, steps: int | None = None) -> tuple[list[float], list[float], Transformer]:
+    """The first ``steps`` steps of ``s`` on one process with the whole batch: the same model, batches,
+    schedule and clipping (``torch.nn.utils.clip_grad_norm_``). Returns (losses, norms, model)."""
+    cfg = s.config
+    model = build(cfg, s.seed)
+    loss = moe_loss(model) if isinstance(cfg, MoEConfig) else loss_fn
+    optimizer = make_optimizer(model.parameters(), s.lr)
+    train = Sampler(load_corpus(max_files=s.max_files).train, s.batch_size, s.seq_len, s.seed)
+    losses, norms = [], []
+    for step in range(steps or s.steps):
+        optimizer.zero_grad(set_to_none=True)
+        tokens, targets = train.batch(step)
+        value = loss(model(tokens), targets)
+        value.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else math.inf).item())
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, s)
+        optimizer.step()
+        losses.append(value.item())
+    return losses, norms, model
+
+
+# -- sampling from a checkpoint ---------------------------------------------------------------------------------
+def load_for_sampling(path: str) -> Transformer:
+    """The model of a ``minitp train`` checkpoint (any layout) on one process."""
+    saved = checkpoint.load_full(path)
+    cfg = (MoEConfig if "n_experts" in saved["config"] else ModelConfig)(**saved["config"])
+    model = build(cfg, 0)
+    model.load_state_dict(saved["params"], strict=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def sample(model: Transformer, prompt: str, new_tokens: int = 200, temperature: float = 0.8,
+           seed: int = 0) -> str:
+    """Text the model writes after ``prompt`` (bytes), one token at a time with its KV cache."""
+    from minitp.data import decode, encode
+    from minitp.models.llama import generate
+
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one character, e.g. --prompt 'def '")
+    tokens = encode(prompt)[None, -model.config.max_seq_len // 2:]
+    new_tokens = min(new_tokens, model.config.max_seq_len - tokens.shape[1])
+    g = torch.Generator().manual_seed(seed)
+
+    def next_token(logits: torch.Tensor) -> torch.Tensor:
+        if temperature <= 0:
+            return logits[:, -1].argmax(-1, keepdim=True)
+        return torch.multinomial(torch.softmax(logits[:, -1] / temperature, -1), 1, generator=g)
+
+    return decode(generate(model, tokens, new_tokens, next_token)[0])

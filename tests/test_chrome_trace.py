@@ -1,0 +1,169 @@
+"""The Chrome trace-event file of a run: what Perfetto and chrome://tracing need, one slice per traced event."""
+
+import json
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+from minitp import cli, launch
+from minitp import trace as _trace
+from minitp.runs import data_parallel
+from minitp.viz.chrome_trace import chrome_trace, report_coords
+
+
+def _traced_step():
+    """A small traced step on 2 ranks: compute, an all-reduce over a "tp" group, a send and an
+    asynchronous send/recv pair over the world named "pp"."""
+    import torch.distributed as dist
+
+    from minitp import comm
+
+    comm.name_group(None, "pp")
+    tp = dist.new_group([0, 1])
+    comm.name_group(tp, "tp")
+    rank = dist.get_rank()
+    x = torch.ones(64)
+    with _trace.span("forward"), _trace.tagged(phase="forward", microbatch=0):
+        comm.all_reduce(x, tp, label="partial sums")
+    with _trace.tagged(phase="forward", step=0):
+        if rank == 0:
+            comm.send(x, 1, label="activations")
+            comm.isend(x[:8], 1, label="small").wait()
+        else:
+            comm.recv(x, 0, label="activations")
+            comm.irecv(x[:8], 0, label="small").wait()
+    with _trace.span("optimizer"):
+        x.mul_(0.5)
+
+
+@pytest.fixture(scope="module")
+def run():
+    return launch(_traced_step, 2, echo=False)
+
+
+def _check_viewer_rules(data: dict) -> None:
+    """What a viewer needs of every event: phase, process, thread, time; a name for each thread used;
+    slices that nest on each thread (two that overlap otherwise are dropped or misdrawn)."""
+    assert data["displayTimeUnit"] == "ms"
+    events = data["traceEvents"]
+    assert events
+    for e in events:
+        assert {"ph", "pid", "tid", "ts"} <= set(e) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["name"]
+    named = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {(e["pid"], e["tid"]) for e in events if e["ph"] in "Xsf"} <= named
+    on_thread = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            on_thread[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for slices in on_thread.values():
+        open_ends = []
+        for start, end in sorted(slices, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1], "slices on one thread overlap without nesting"
+            open_ends.append(end)
+
+
+def test_every_traced_message_is_one_slice_on_its_rank_and_dimension(run):
+    data = json.loads(json.dumps(chrome_trace(run.traces)))  # plain JSON, read back
+    _check_viewer_rules(data)
+    slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in data["traceEvents"]} == {0, 1}
+    messages = [e for e in slices if e["cat"] == "comm"]
+    traced = [e for t in run.traces for e in t.comm()]
+    assert Counter((e["pid"], e["args"]["label"], e["args"]["op"], e["args"]["bytes"]) for e in messages) == \
+        Counter((e.rank, e.label, e.op, e.bytes) for e in traced)
+    for rank in (0, 1):
+        assert sum(e["args"]["sent_bytes"] for e in messages if e["pid"] == rank) == pytest.approx(
+            run.sent_bytes()[rank])
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+    assert {threads[e["pid"], e["tid"]] for e in messages if e["args"]["op"] == "all_reduce"} == {"tp"}
+    assert {threads[e["pid"], e["tid"]] for e in messages if e["args"]["op"] in ("send", "recv")} == {"pp"}
+    compute = [e for e in slices if e["cat"] == "compute"]
+    assert {threads[e["pid"], e["tid"]] for e in compute} == {"compute"}
+    assert Counter(e["name"] for e in compute) == {"forward": 2, "optimizer": 2}
+    assert min(e["ts"] for e in slices) == 0.0  # times from the earliest event of any rank
+
+
+def test_slices_carry_where_in_the_run_they_happened(run):
+    slices = [e for e in chrome_trace(run.traces)["traceEvents"] if e["ph"] == "X"]
+    reduce = next(e for e in slices if e["args"].get("op") == "all_reduce")
+    assert reduce["args"]["peers"] == [0, 1] and reduce["args"]["phase"] == "forward"
+    assert reduce["args"]["microbatch"] == 0 and "step" not in reduce["args"]
+    send = next(e for e in slices if e["args"].get("op") == "send" and e["args"]["label"] == "activations")
+    assert send["pid"] == 0 and send["args"]["peer"] == 1 and send["args"]["step"] == 0
+
+
+def test_each_send_has_an_arrow_to_the_receive_that_took_it(run):
+    events = chrome_trace(run.traces)["traceEvents"]
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == len(ends) == 2 and set(starts) == set(ends)
+    assert all(starts[i]["pid"] == 0 and ends[i]["pid"] == 1 for i in starts)
+
+
+def test_process_names_say_each_ranks_place_on_the_mesh(run):
+    events = chrome_trace(run.traces, coords=[{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}])["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0 (dp 0, tp 0)", 1: "rank 1 (dp 0, tp 1)"}
+    plain = chrome_trace(run.traces)["traceEvents"]
+    assert {e["args"]["name"] for e in plain if e["name"] == "process_name"} == {"rank 0", "rank 1"}
+
+
+def test_spans_passed_apart_land_on_the_compute_thread():
+    spans = [[_trace.Event(0, "compute", "forward", "mb0", 10.0, 10.5, phase="forward", microbatch=0)]]
+    events = chrome_trace([[]], spans)["traceEvents"]
+    (forward,) = [e for e in events if e["ph"] == "X"]
+    assert forward["name"] == "forward mb0" and forward["ts"] == 0.0 and forward["dur"] == 5e5
+    assert forward["args"] == {"label": "mb0", "phase": "forward", "microbatch": 0}
+
+
+def test_messages_in_flight_together_get_a_second_lane_of_their_dimension():
+    def bucket(i, start, end):  # asynchronous all-reduces: the second starts before the first is waited
+        return _trace.Event(0, "comm", "all_reduce", f"ddp/bucket{i}", start, end, group=(0, 1), dim="dp", bytes=8)
+
+    data = chrome_trace([[bucket(0, 0.0, 3.0), bucket(1, 1.0, 4.0), bucket(2, 3.5, 3.8)]])
+    _check_viewer_rules(data)
+    threads = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+    lanes = {e["args"]["label"]: threads[e["tid"]] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert lanes == {"ddp/bucket0": "dp", "ddp/bucket1": "dp #2", "ddp/bucket2": "dp"}
+
+
+def test_report_coords_names_the_dimensions_a_run_splits():
+    class Report(dict):  # the two things report_coords reads
+        layout = {"dp": 2, "tp": 2, "pp": 1}
+        world_size = 4
+
+    three_d = Report(coords=[[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]])
+    assert report_coords(three_d)[3] == {"dp": 1, "tp": 1}
+    one_dim = Report()
+    one_dim.layout, one_dim.world_size = {"dp": 1, "tp": 1, "pp": 2}, 2
+    assert report_coords(one_dim) == [{"pp": 0}, {"pp": 1}]
+
+
+def test_minitp_run_trace_out_writes_the_trace(tmp_path, capsys):
+    path = tmp_path / "ddp.json"
+    assert cli.main(["run", "ddp", "--nproc", "2", "--steps", "1", "--trace-out", str(path)]) == 0
+    assert f"trace written to {path}" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    _check_viewer_rules(data)
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"
+             and e["name"] in ("process_name", "thread_name")}
+    assert {"rank 0 (dp 0)", "rank 1 (dp 1)", "compute", "dp"} <= names
+    ops = Counter(e["args"].get("op") for e in data["traceEvents"] if e["ph"] == "X" and e["cat"] == "comm")
+    assert ops["all_reduce"] >= 2  # each rank's gradient buckets
+
+
+def test_trace_out_into_a_missing_folder_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(data_parallel, "launch", never)
+    missing = tmp_path / "nowhere" / "t.json"
+    assert cli.main(["run", "ddp", "--nproc", "2", "--trace-out", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"minitp: error: --trace-out {missing}: the folder") and "does not exist" in err
