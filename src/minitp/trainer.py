@@ -323,8 +323,15 @@ def _bar(s: Settings, start: int, fd: int | None):
         return None
     from tqdm import tqdm
 
-    stream = os.fdopen(os.dup(fd), "w") if fd is not None else sys.stderr
-    return tqdm(total=s.steps, initial=start, file=stream, unit="step", dynamic_ncols=True, mininterval=0.5)
+    try:
+        stream = os.fdopen(os.dup(fd), "w") if fd is not None else sys.stderr
+    except OSError:  # a rank started by spawn does not inherit the parent's terminal: no bar
+        return None
+    try:
+        width = os.get_terminal_size(stream.fileno()).columns or 100
+    except OSError:
+        width = 100
+    return tqdm(total=s.steps, initial=start, file=stream, unit="step", ncols=min(width, 120), mininterval=0.5)
 
 
 def _advance(bar, record: dict) -> None:
@@ -384,7 +391,9 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
         os.makedirs(s.out, exist_ok=True)
         checkpoint.check_save_folder(os.path.join(s.out, "checkpoint"))
     peak = _peak_flops() if backend == "gloo" else None
-    fd = sys.stderr.fileno() if (echo and sys.stderr.isatty() and not under_torchrun()) else None
+    # the parent's terminal, for the first rank's progress bar (a forked rank inherits the copy; its own
+    # stderr goes to a file the launcher relays at the end)
+    fd = os.dup(sys.stderr.fileno()) if (echo and sys.stderr.isatty() and not under_torchrun()) else None
     if echo:
         print(f"minitp train: {s.model} ({s.config.num_params() / 1e6:.2f} M parameters) on {s.world} "
               f"process{'es' * (s.world > 1)} (dp {s.dp}, tp {s.tp}, pp {s.pp}, cp {s.cp}, ep {s.ep}, "
@@ -401,6 +410,8 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
             print(f"minitp train: {str(e).splitlines()[0]}\nminitp train: restart {attempt + 1} of {max_restarts}, "
                   f"from the last checkpoint in {s.out}", file=sys.stderr, flush=True)
             s = replace(s, resume=True)
+    if fd is not None:
+        os.close(fd)
     if s.out and (not under_torchrun() or os.environ["RANK"] == "0"):
         try:
             draw_log(os.path.join(s.out, "log.jsonl"), os.path.join(s.out, "loss.png"))
