@@ -41,12 +41,19 @@ test-fast: $(STAMP)
 # here when missing; a copy you changed is kept). MINITP_PROGRESS=1: runs of several seconds show a
 # live progress line (never stored: make notebooks and nbval run without it). MINITP_LIVE=1: a live
 # control runs only the setting it shows (no website grid, which make notebooks stores). Root (Docker, cloud
-# notebooks) needs --allow-root.
+# notebooks) needs --allow-root. No news: JupyterLab 4 asks on first start whether to fetch Jupyter's news
+# feed unless its notification setting fetchNews has a value; an overrides.d file in .venv gives it "false"
+# (a default: Settings > Notifications can still turn it on), and news_url=None keeps the server from fetching.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d
 
 lab: $(STAMP)
 	$(BIN)/python -m minitp.exercises.student notebooks student --keep-changed
-	MINITP_PROGRESS=1 MINITP_LIVE=1 $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/student $(ALLOW_ROOT)
+	mkdir -p $(LAB_OVERRIDES)
+	echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
+	  > $(LAB_OVERRIDES)/minitp.json
+	MINITP_PROGRESS=1 MINITP_LIVE=1 $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/student \
+	  --LabApp.news_url=None $(ALLOW_ROOT)
 
 site: $(STAMP)
 	$(BIN)/mkdocs build --strict

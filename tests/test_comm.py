@@ -76,6 +76,67 @@ def test_a_wrongly_sized_buffer_names_the_numbers():
         minitp.launch(_mismatched_sizes, 2, echo=False)
 
 
+# -- a bad argument is refused at the call, in one sentence, before any message ---------------------------
+def _bad_calls():
+    import traceback
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    other = 1 - r
+    x, half = torch.ones(4), torch.ones(4, dtype=torch.float16)
+    calls = {
+        "isend None": lambda: comm.isend(None, other),
+        "send a list": lambda: comm.send([1.0, 2.0], other),
+        "recv None": lambda: comm.recv(None, other),
+        "all_reduce None": lambda: comm.all_reduce(None),
+        "all_gather output None": lambda: comm.all_gather(None, x),
+        "reduce_scatter input None": lambda: comm.reduce_scatter(x, None),
+        "broadcast None": lambda: comm.broadcast(None, 0),
+        "all_to_all input None": lambda: comm.all_to_all(x, None),
+        "irecv from -1": lambda: comm.irecv(x, -1),
+        "isend to world_size": lambda: comm.isend(x, n),
+        "send to -1": lambda: comm.send(x, -1),
+        "recv from world_size": lambda: comm.recv(x, n),
+        "broadcast from world_size": lambda: comm.broadcast(x, n),
+        "all_gather dtypes": lambda: comm.all_gather(torch.empty(n * 4, dtype=torch.float16), x),
+        "reduce_scatter dtypes": lambda: comm.reduce_scatter(half[:2], torch.ones(4)),
+        "all_to_all dtypes": lambda: comm.all_to_all(half, x),
+    }
+    refused = {}
+    for name, call in calls.items():
+        try:
+            call()
+            refused[name] = None
+        except (TypeError, ValueError) as e:
+            refused[name] = (type(e).__name__, str(e), traceback.extract_tb(e.__traceback__)[-1].name)
+    still = torch.ones(2)
+    comm.all_reduce(still, label="after the refusals")  # nothing half-sent is left in the way
+    return {"refused": refused, "after": still}
+
+
+def test_every_call_refuses_a_bad_argument_in_one_sentence_before_any_message():
+    results = minitp.launch(_bad_calls, 2, echo=False)
+    refused = results[0]["refused"]
+    assert all(refused.values()), [k for k, v in refused.items() if v is None]
+    assert refused["isend None"][:2] == (
+        "TypeError", "comm.isend: tensor must be a torch.Tensor, got None (a gradient that was never computed?)")
+    assert refused["send a list"][1] == "comm.send: tensor must be a torch.Tensor, got list [1.0, 2.0]"
+    assert refused["all_gather output None"][1].startswith("comm.all_gather: output must be a torch.Tensor, got None")
+    assert refused["reduce_scatter input None"][1].startswith("comm.reduce_scatter: input must be a torch.Tensor")
+    assert refused["irecv from -1"][:2] == (
+        "ValueError", "comm.irecv: src=-1 is not a rank of the group; expected one of (0, 1) (global ranks)")
+    assert refused["isend to world_size"][1].startswith("comm.isend: dst=2 is not a rank of the group")
+    assert refused["broadcast from world_size"][1].startswith("comm.broadcast: src=2 is not a rank of the group")
+    assert refused["all_gather dtypes"][:2] == (
+        "TypeError", "comm.all_gather: output is torch.float16 but input is torch.float32; they must have the "
+                     "same dtype")
+    assert refused["all_to_all dtypes"][1].startswith("comm.all_to_all: output is torch.float16 but input is")
+    for name, (_, message, raised_in) in refused.items():
+        assert message.count(". ") == 0 and "\n" not in message, (name, message)  # one sentence
+        assert raised_in == "_check", (name, raised_in)  # by comm's own check, not deep inside (no _nbytes)
+    assert [e.label for e in results.traces[0].comm()] == ["after the refusals"]  # nothing was sent or traced
+    assert results[0]["after"].tolist() == [2.0, 2.0]
+
+
 def _tensor_parallel_operators():
     torch.manual_seed(0)
     r, n = dist.get_rank(), dist.get_world_size()

@@ -251,6 +251,14 @@ class NeverResets(BucketedDDP):
         self.ready = ready  # the next step's counts start where this one's ended: no bucket fires
 
 
+class LaunchesAtFirstGradient(BucketedDDP):
+    def on_grad_ready(self, param):
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        if self.ready[i] == 1:  # the bucket's first gradient: the others are still None
+            self.launch(i)
+
+
 class OnePerParameter(BucketedDDP):
     def on_grad_ready(self, param):
         flat = param.grad.reshape(-1) / comm.group_size()
@@ -279,7 +287,10 @@ def test_bucketed_ddp_passes(capsys):
     (SumsDDP, "SUM over the ranks"),
     (BucketNeverLaunched, "never all-reduced"),
     (AllReduceAfterBackward, "after backward ended"),
-    (NeverResets, "step 1"),
+    (NeverResets, r"step 1: step 0 launched its all-reduces from the hooks, step 1 none: .* Reset the counts in "
+                  r"finish\(\)\.$"),
+    (LaunchesAtFirstGradient, r"rank 0, step 0: a bucket was launched too early: a bucket is ready when its last "
+                              r"gradient arrives\. .*NoneType"),
     (OnePerParameter, "one per bucket"),
     (StubDDP, "not done yet"),
 ])

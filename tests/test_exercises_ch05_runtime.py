@@ -1,6 +1,8 @@
 """Chapter 05's zero-bubble-table and 1F1B-runtime checkers accept the answer and catch the typical
 mistakes, each with a message that says which (planted-mistake tests)."""
 
+import time
+
 import pytest
 import torch
 
@@ -59,9 +61,17 @@ def test_zero_bubble_catches_mistakes(answer, message):
 
 
 # -- a 1F1B runtime (real processes) --------------------------------------------------------------
-def runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn, send_gradient=True):
+def runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn, send_gradient=True,
+                  gradient_from=lambda rank, world_size: rank + 1, blocking_send=False, input_requires_grad=True):
     m = len(actions) // 2
     kept, sends = {}, []
+
+    def send(tensor, dst, label):
+        if blocking_send:
+            comm.send(tensor, dst, label=label)
+        else:
+            sends.append(comm.isend(tensor, dst, label=label))
+
     for kind, i in actions:
         if kind == "F":
             if rank == 0:
@@ -69,22 +79,23 @@ def runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss
             else:
                 x = torch.empty(shape)
                 comm.irecv(x, rank - 1, label=f"F{i}").wait()
-                x.requires_grad_()
+                if input_requires_grad:
+                    x.requires_grad_()
             y = stage(x)
             if rank == world_size - 1:
                 y = loss_fn(y, targets[i]) / m
             else:
-                sends.append(comm.isend(y.detach(), rank + 1, label=f"F{i}"))
+                send(y.detach(), rank + 1, f"F{i}")
             kept[i] = (x, y)
         else:
             x, y = kept.pop(i)
             grad = None
             if rank < world_size - 1:
                 grad = torch.empty(shape)
-                comm.irecv(grad, rank + 1, label=f"B{i}").wait()
+                comm.irecv(grad, gradient_from(rank, world_size), label=f"B{i}").wait()
             torch.autograd.backward(y, grad)
             if rank > 0 and send_gradient:
-                sends.append(comm.isend(x.grad, rank - 1, label=f"B{i}"))
+                send(x.grad, rank - 1, f"B{i}")
     for handle in sends:
         handle.wait()
 
@@ -103,6 +114,26 @@ def runtime_gpipe_order(stage, actions, inputs, targets, rank, world_size, shape
 
 def runtime_forgets_to_send_the_gradient(stage, actions, inputs, targets, rank, world_size, shape, loss_fn):
     return runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn, send_gradient=False)
+
+
+def runtime_gradient_from_the_ring_neighbour(stage, actions, inputs, targets, rank, world_size, shape, loss_fn):
+    # chapter 00's ring habit: (rank - 1) % n is rank + 1 on 2 ranks, but rank 0's "previous" is rank 3 on 4
+    return runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn,
+                         gradient_from=lambda rank, world_size: (rank - 1) % world_size)
+
+
+def runtime_gradient_from_rank_minus_one(stage, actions, inputs, targets, rank, world_size, shape, loss_fn):
+    return runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn,
+                         gradient_from=lambda rank, world_size: rank - 1)  # rank 0 asks rank -1
+
+
+def runtime_blocking_send(stage, actions, inputs, targets, rank, world_size, shape, loss_fn):
+    return runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn, blocking_send=True)
+
+
+def runtime_input_without_requires_grad(stage, actions, inputs, targets, rank, world_size, shape, loss_fn):
+    # x.grad stays None: the gradient sent back is None
+    return runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn, input_requires_grad=False)
 
 
 def runtime_stub(stage, actions, inputs, targets, rank, world_size, shape, loss_fn):
@@ -124,8 +155,50 @@ def test_pipeline_runtime_catches_mistakes(answer, message):
         ch05.check_pipeline_runtime(answer)
 
 
+def _hang_message(answer, timeout=8) -> str:
+    with pytest.raises(ExerciseError) as info:
+        ch05.check_pipeline_runtime(answer, timeout=timeout)
+    return str(info.value)
+
+
 def test_pipeline_runtime_names_a_hang():
-    # rank 0 waits for the gradient of micro-batch 0 that rank 1 never sends
-    with pytest.raises(ExerciseError, match=r"the run on 2 ranks hung \(rank 0.*never finished\).*A rank waited for a "
-                       "message that never came"):
-        ch05.check_pipeline_runtime(runtime_forgets_to_send_the_gradient, timeout=8)
+    # rank 0 waits for the gradient of micro-batch 0 that rank 1 never sends; rank 1 for rank 0's next forward
+    message = _hang_message(runtime_forgets_to_send_the_gradient)
+    assert message.startswith("1F1B runtime: the run on 2 ranks hung and was stopped after 8 s.\n"), message
+    assert '  rank 0: in irecv(...).wait() from rank 1, label "answer/B0", shape (2, 8, 64)' in message
+    assert '  rank 1: in irecv(...).wait() from rank 0, label "answer/F2"' in message
+    assert message.endswith("Every stuck rank waits to receive: a send is missing or goes the wrong way."), message
+    assert len(message.splitlines()) == 4 and len(message) < 400, message
+
+
+def test_pipeline_runtime_names_the_wrong_neighbour_a_gradient_is_awaited_from():
+    message = _hang_message(runtime_gradient_from_the_ring_neighbour)
+    assert "the run on 4 ranks hung" in message
+    assert '  rank 0: in irecv(...).wait() from rank 3, label "answer/B0"' in message
+    assert message.endswith("a send is missing or goes the wrong way."), message
+    assert len(message.splitlines()) == 6, message
+
+
+def test_pipeline_runtime_names_a_blocking_send_both_ways():
+    message = _hang_message(runtime_blocking_send)
+    assert '  rank 0: in send to rank 1, label "answer/F1"' in message
+    assert '  rank 1: in send to rank 0, label "answer/B0"' in message
+    assert message.endswith("Rank 0's send waits for rank 1 to receive it, but rank 1 is in send to rank 0: a "
+                            "blocking send returns only once the other side receives, so post one side with isend "
+                            "(or receive first on one side)."), message
+
+
+@pytest.mark.parametrize("answer, message", [
+    (runtime_gradient_from_rank_minus_one,
+     r"rank 0 raised ValueError: comm.irecv: src=-1 is not a rank of the group; expected one of \(0, 1\)"),
+    (runtime_input_without_requires_grad,
+     r"rank 1 raised TypeError: comm.isend: tensor must be a torch.Tensor, got None \(a gradient that was never "
+     r"computed\?\)"),
+])
+def test_pipeline_runtime_refuses_a_bad_message_at_once(answer, message):
+    t0 = time.perf_counter()
+    with pytest.raises(ExerciseError, match=message) as info:
+        ch05.check_pipeline_runtime(answer, timeout=60)
+    assert time.perf_counter() - t0 < 30  # refused at the call, not after the timeout
+    frames = [line for line in str(info.value).splitlines() if line.startswith("  File ")]
+    assert "comm.py" not in str(info.value) and __file__.rsplit("/", 1)[-1] in frames[-1]  # ends in the answer

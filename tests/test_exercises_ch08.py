@@ -105,6 +105,11 @@ def dispatch_without_the_counts(rows, counts, group):
     return received, counts.view(n, -1)
 
 
+def dispatch_flat_incoming(rows, counts, group):
+    received, incoming = dispatch_right(rows, counts, group)
+    return received, incoming.reshape(-1)  # (E,): the right counts, not laid out (n, E/n)
+
+
 def dispatch_untraced(rows, counts, group):
     import torch.distributed as dist
 
@@ -127,6 +132,7 @@ def test_dispatch_accepts_the_answer(capsys):
     (dispatch_splits_per_expert, "rows per \\*rank\\*"),
     (dispatch_without_the_counts, "exchange the counts first"),
     (dispatch_untraced, "minitp.comm.all_to_all"),
+    (dispatch_flat_incoming, r"rank 0's incoming counts have shape \(8,\), expected \(4, 2\) \(n, E/n\)"),
     (_stub, "not done yet"),
 ])
 def test_dispatch_catches_mistakes(answer, message):

@@ -92,7 +92,66 @@ def test_a_hanging_rank_ends_in_a_timeout_that_shows_where_each_rank_was():
     assert "timed out after 3 s" in str(info.value)
     assert "_hang_on_rank_one" in info.value.stacks[1]
     assert "all_reduce" in info.value.stacks[0]
+    assert "  rank 0: in all_reduce over ranks (0, 1, 2), shape (3,), for " in str(info.value)
+    assert "  rank 1: not in a minitp.comm call, in _hang_on_rank_one (test_launch.py:" in str(info.value)
     assert no_children_left()
+
+
+# -- a timeout names the call each stuck rank waits in, and the likely mistake ---------------------------
+def _stuck(pattern):
+    r = dist.get_rank()
+    if pattern == "both receive":
+        comm.irecv(torch.ones(4), 1 - r, label="grad").wait()
+    elif pattern == "blocking send both ways":  # gloo holds a send until the other side receives it
+        comm.send(torch.ones(2, 8, 64), 1 - r, label=f"from{r}")
+        comm.recv(torch.ones(2, 8, 64), 1 - r)
+    elif pattern == "collectives in another order":
+        calls = [lambda: comm.all_reduce(torch.ones(4), async_op=True).wait(),
+                 lambda: comm.all_gather(torch.ones(8), torch.ones(4))]
+        for call in calls if r == 0 else calls[::-1]:
+            call()
+
+
+@pytest.mark.parametrize("pattern, lines, likely", [
+    ("both receive", ['  rank 0: in irecv(...).wait() from rank 1, label "grad", shape (4,), for ',
+                      '  rank 1: in irecv(...).wait() from rank 0, label "grad", shape (4,), for '],
+     "Every stuck rank waits to receive: a send is missing or goes the wrong way."),
+    ("blocking send both ways", ['  rank 0: in send to rank 1, label "from0", shape (2, 8, 64), for ',
+                                 '  rank 1: in send to rank 0, label "from1", shape (2, 8, 64), for '],
+     "Rank 0's send waits for rank 1 to receive it, but rank 1 is in send to rank 0: a blocking send returns only "
+     "once the other side receives, so post one side with isend (or receive first on one side)."),
+    ("collectives in another order", ["  rank 0: in all_reduce(..., async_op=True).wait() over ranks (0, 1), "
+                                      "shape (4,), for ",
+                                      "  rank 1: in all_gather over ranks (0, 1), shape (8,), for "],
+     "The ranks call collectives in a different order: every rank of a group must make the same collectives, in the "
+     "same order."),
+])
+def test_a_timeout_names_the_call_each_rank_waits_in_and_the_likely_mistake(pattern, lines, likely):
+    with pytest.raises(minitp.LaunchTimeout) as info:
+        minitp.launch(_stuck, 2, pattern, timeout=3, echo=False, start_method="fork")
+    summary = info.value.summary.splitlines()
+    assert len(summary) == 3 and all(got.startswith(want) for got, want in zip(summary, lines)), summary
+    assert summary[2] == likely
+    assert info.value.summary in str(info.value)  # the message says it too, before the stacks
+    assert info.value.calls[0]["peer"] in (1, None) and set(info.value.calls) == {0, 1}
+    assert no_children_left()
+
+
+def test_the_likely_mistake_is_named_only_for_a_known_pattern():
+    from minitp.launcher import _likely_mistake
+
+    def call(op, peer=None, label="", shape=(4,), group=(0, 1)):
+        return {"call": op, "op": op, "peer": peer, "label": label, "group": list(group), "shape": list(shape)}
+
+    assert _likely_mistake({0: call("send", 1)}, returned=[1]) == \
+        "Rank 0's send to rank 1 waits for a receive, but rank 1 returned: a recv is missing."
+    assert _likely_mistake({0: call("all_reduce", shape=(4,)), 1: call("all_reduce", shape=(6,))}, []) == \
+        "The ranks called all_reduce with different shapes ((4,), (6,)): every rank passes the same."
+    assert _likely_mistake({2: call("all_reduce", group=(0, 1, 2))}, returned=[0, 1]) == \
+        "Ranks 0, 1 returned without joining all_reduce: every rank of the group must call it."
+    assert _likely_mistake({0: call("send", 1), 1: call("recv", 0)}, []) == ""  # matched: not a known mistake
+    assert _likely_mistake({0: call("recv", 1), 1: {"where": "sleep (x.py:3)"}}, []) == ""  # one rank not in comm
+    assert _likely_mistake({0: call("all_reduce"), 1: call("recv", 0)}, []) == ""
 
 
 def _exit_hard():

@@ -323,7 +323,8 @@ def output(inner: str, prompt: str = "") -> str:
 def test_browser_check_catches_what_a_reader_would_suffer(tmp_path):
     """A clean page passes; a page with each fault (outside requests, a loader that did not run this
     time, a broken anchor, raw TeX, stray outputs, dead static controls, a layout unreadable on a
-    phone) fails with each named. The browser sees requests that no scan of the HTML could."""
+    phone, a figure wider than a phone, a worked answer before its hints) fails with each named. The
+    browser sees requests that no scan of the HTML could."""
     chromium = chromium_or_skip()
     site = tmp_path / "site"
     png, other = figure_png(), figure_png((4, 1, 6))
@@ -348,7 +349,13 @@ def test_browser_check_catches_what_a_reader_would_suffer(tmp_path):
              + twin_html([panel(png, "n = 2"), panel(png, "n = 2")], sid="mx2-same")
              + '<div class="jp-InputPrompt" style="display:inline-block;width:80px">In [1]:</div>'
              + '<pre style="overflow:visible;font-size:9px">' + "rank 0 sent 1,024 bytes; " * 12 + "</pre>"
-             + output(f'<img alt="bars" style="width:120px" src="data:image/png;base64,{png}">'),
+             + output(f'<img alt="bars" style="width:120px" src="data:image/png;base64,{png}">')
+             + output(f'<div style="overflow-x:auto"><img alt="wide" style="width:600px;max-width:none" '
+                      f'src="data:image/png;base64,{png}"></div>')  # scrolls, but a phone shows no scrollbar
+             + '<div class="jp-Cell celltag_minitp-stub"><pre>raise NotImplementedError</pre></div>'
+             + '<div class="jp-Cell"><h3 id="ex2">Exercise 2</h3></div>'
+             + '<details class="minitp-answer"><summary>Show a worked answer</summary><p>[ok] done</p></details>'
+             + '<div class="jp-Cell"><p><b>Hints.</b> (1) Count the slots.</p></div>',
     )
     reports = browser_check.check_site(site, tmp_path / "shots", None, chromium)
     home, clean, broken = reports
@@ -377,7 +384,10 @@ def test_browser_check_catches_what_a_reader_would_suffer(tmp_path):
         r"at 390 px the page scrolls sideways .*pre reaches",
         r"at 730 px the page scrolls sideways",
         r"at 390 px code is under 12 px: pre 9 px",
-        r"at 390 px figures are drawn too small: 120 px \(it is 320 px\)",
+        r"at 390 px figures are drawn too small or too wide: 120 px \(it is 320 px\)",
+        r"at 390 px figures .*600 px, scrolls sideways past the screen's edge",
+        r"1 answer folds come before their exercise's hints",
+        r"1 exercises show a heading \(the next exercise\?\) between their stub and their answer fold",
         r"at 390 px the In/Out gutter takes 80 px",
     ]
     missing = [pattern for pattern in expected if not re.search(pattern, problems)]

@@ -264,6 +264,134 @@ def test_no_chapter_page_carries_a_live_widget():
                 assert not re.match(r"(interactive|VBox|HBox)\(", plain), f"{path.name} cell {number}: {plain[:60]}"
 
 
+def test_website_form_puts_the_hints_before_the_folded_worked_answer():
+    """The hints move up between the stub and the fold; the next exercise, stored in the same Markdown
+    cell after them, stays after the fold (a "# comment" in a code block there is no heading)."""
+    notebook = answers_notebook()
+    notebook.cells.insert(5, nbformat.v4.new_markdown_cell(
+        "**Hints.** (1) Count the slots.\n\n<details><summary>Solution and why</summary>\n\n```python\n"
+        "# idle slots over all slots\nreturn (p - 1) / (m + p - 1)\n```\n</details>\n\n"
+        "### Exercise 2 — the zero-bubble table\n\nWrite the table."))
+    web, folds = student.website_notebook(json.loads(nbformat.writes(notebook)))
+    order = [student.STUB_TAG if student.STUB_TAG in c["metadata"].get("tags", []) else
+             "fold" if student.ANSWER_TAG in c["metadata"].get("tags", []) else
+             "hints" if "".join(c["source"]).startswith("**Hints") else
+             "next" if "".join(c["source"]).startswith("### Exercise 2") else "other" for c in web["cells"]]
+    assert order == ["other", student.STUB_TAG, "hints", "fold", "fold", "fold", "fold", "next", "other", "other"]
+    assert folds == 1
+    hints, after = "".join(web["cells"][2]["source"]), "".join(web["cells"][7]["source"])
+    assert "# idle slots" in hints and "Exercise 2" not in hints and after.endswith("Write the table.")
+    assert len({c["id"] for c in web["cells"]}) == len(web["cells"])  # ids stay unique
+
+
+@pytest.mark.skipif(not CHAPTERS, reason="no chapters in notebooks/ yet")
+def test_every_chapter_page_shows_an_exercises_hints_between_its_stub_and_its_worked_answer():
+    for path in CHAPTERS:
+        web, _ = student.website_notebook(json.loads(path.read_text(encoding="utf-8")), name=path.name)
+        cells = web["cells"]
+        hints = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and student.HINTS.match(
+            "".join(c["source"]))]
+        assert hints, f"{path.name}: no hints found"
+        for i in hints:
+            where = f"{path.name} cell {i}"
+            assert student.STUB_TAG in cells[i - 1]["metadata"].get("tags", []), f"{where}: not after a stub"
+            assert student.ANSWER_TAG in cells[i + 1]["metadata"].get("tags", []), f"{where}: no fold after it"
+            assert student._split_at_heading(cells[i])[1] is None, f"{where}: the next exercise sits before the fold"
+
+
+def twin_of_two_settings() -> str:
+    """A static twin as ``minitp.viz.explore`` writes it: two stored panels behind a radio row."""
+    from minitp.viz.explore import Control, Explorer
+
+    explorer = Explorer(run=lambda n: n, draw=lambda result, setting: str(result), controls={"n": Control([2, 4])})
+    return explorer.static_html([({"n": 2}, "<pre>n = 2</pre>"), ({"n": 4}, "<pre>n = 4</pre>")])
+
+
+def test_a_learner_copy_shows_one_line_where_a_live_control_was_stored():
+    """JupyterLab does not trust a fresh copy: it would strip the twin's <style> and show every stored
+    panel at once under dead radio buttons. The copy shows one line instead; the cell's other outputs stay."""
+    twin = twin_of_two_settings()
+    assert student.TWIN_CLASS in twin  # the class the copier looks for is the one explore writes
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["widgets"] = WIDGET_STATE
+    notebook.cells = [
+        nbformat.v4.new_code_cell("explore(run, draw, {'n': [2, 4]}).with_twin()", execution_count=1, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="world_size = 4\n"),
+            widget_output("execute_result", "ring: n = 2", **{"text/html": twin})]),
+        nbformat.v4.new_code_cell("panel", execution_count=2, outputs=[
+            nbformat.v4.new_output("display_data", data={"text/html": twin, "text/plain": "ring"})]),  # no view
+        nbformat.v4.new_code_cell("print(1)", execution_count=3, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="1\n")]),
+    ]
+    original = json.loads(nbformat.writes(notebook))
+    copy, _, _ = student.student_notebook(original)
+    text = json.dumps(copy)
+    assert student.TWIN_CLASS not in text and "<style>" not in text and 'type="radio"' not in text
+    assert student.WIDGET_VIEW not in text and "widgets" not in copy["metadata"]
+    first, second, third = (cell["outputs"] for cell in copy["cells"])
+    line = {"output_type": "display_data", "data": {"text/plain": [student.LIVE_CONTROL_LINE]}, "metadata": {}}
+    assert first == [original["cells"][0]["outputs"][0], line]
+    assert second == [line] and third == original["cells"][2]["outputs"]
+    nbformat.validate(nbformat.reads(json.dumps(copy), as_version=4))
+
+
+@pytest.mark.skipif(not CHAPTERS, reason="no chapters in notebooks/ yet")
+def test_no_learner_copy_of_a_chapter_keeps_a_stored_control(tmp_path):
+    for copy in write_student_copies(ROOT / "notebooks", tmp_path):
+        original = json.loads(copy.source.read_text(encoding="utf-8"))
+        notebook = json.loads(copy.target.read_text(encoding="utf-8"))
+        text = json.dumps(notebook)
+        assert student.TWIN_CLASS not in text and student.WIDGET_VIEW not in text, copy.target.name
+        assert "widgets" not in notebook["metadata"], copy.target.name
+        for index, cell in enumerate(original["cells"]):
+            if any(student.is_live_control(output) for output in cell.get("outputs", [])):
+                shown = ["".join(o.get("data", {}).get("text/plain", "")) for o in notebook["cells"][index]["outputs"]]
+                assert shown.count(student.LIVE_CONTROL_LINE) == 1, f"{copy.target.name} cell {index}: {shown}"
+
+
+@pytest.mark.skipif(not CHAPTERS, reason="no chapters in notebooks/ yet")
+def test_every_chapter_and_its_learner_copy_carry_the_kernelspec_jupyterlab_writes(tmp_path):
+    """JupyterLab writes its kernel's name into a notebook it opens: a different stored one marks every
+    chapter unsaved the moment it opens."""
+    from ipykernel.kernelspec import KERNEL_NAME, get_kernel_dict
+
+    installed = get_kernel_dict()
+    assert student.KERNELSPEC == {"name": KERNEL_NAME, "display_name": installed["display_name"],
+                                  "language": installed["language"]}
+    for path in CHAPTERS:
+        assert json.loads(path.read_text(encoding="utf-8"))["metadata"].get("kernelspec") == student.KERNELSPEC, \
+            f"{path.name}: kernelspec is not {student.KERNELSPEC}"
+    notebook = answers_notebook()  # stored with another kernelspec: the copy still carries JupyterLab's
+    assert student.student_notebook(json.loads(nbformat.writes(notebook)))[0]["metadata"]["kernelspec"] == \
+        student.KERNELSPEC
+
+
+def control_options(source: str) -> dict[str, list]:
+    """Each ``Control([...])`` option list of the ``explore(...)`` call in a cell's code, by control name."""
+    for node in ast.walk(ast.parse("\n".join(line for line in source.splitlines() if not line.startswith("%")))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "explore":
+            controls = node.args[2]
+            return {ast.literal_eval(key): ast.literal_eval(value.args[0])
+                    for key, value in zip(controls.keys, controls.values)}
+    return {}
+
+
+@pytest.mark.skipif(not (ROOT / "notebooks" / "05_pipeline.ipynb").is_file(), reason="no chapter 05")
+def test_every_setting_of_chapter_05s_control_makes_a_schedule():
+    """Interleaved 1F1B needs m divisible by p: the control offers no stage count it fails for."""
+    import itertools
+
+    from minitp import pp
+
+    cells = json.loads((ROOT / "notebooks" / "05_pipeline.ipynb").read_text(encoding="utf-8"))["cells"]
+    found = [control_options("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
+    [options] = [o for o in found if {"schedule", "stages", "microbatches"} <= set(o)]
+    for schedule, stages, microbatches in itertools.product(options["schedule"], options["stages"],
+                                                            options["microbatches"]):
+        virtual = 2 if schedule == "interleaved" else 1  # the chapter's V
+        assert pp.make_schedule(schedule, stages, microbatches, virtual), (schedule, stages, microbatches)
+
+
 def test_a_changed_learner_copy_is_kept_unless_forced(tmp_path):
     source = tmp_path / "notebooks"
     source.mkdir()
@@ -397,3 +525,26 @@ def test_progress_is_off_by_default_and_names_each_ranks_step_when_asked(monkeyp
     lines.clear()
     minitp.launch(work, 2, 3)
     assert any("rank 0 step 3/3, rank 1 step 3/3" in line for line in lines), lines[-1:]
+
+
+def test_learner_copies_hold_no_worked_answer():
+    """Each chapter's "Solution and why" folds go from the copy (the answer stays in notebooks/ and on
+    the site); the hints stay."""
+    import json
+    import re
+
+    from minitp.exercises.student import student_notebook
+
+    chapters = sorted(Path(__file__).parents[1].glob("notebooks/[0-9][0-9]_*.ipynb"))
+    folds = 0
+    for path in chapters:
+        notebook = json.loads(path.read_text())
+        folds += sum("Solution and why" in "".join(c["source"]) for c in notebook["cells"])
+        copy, _, _ = student_notebook(notebook, path.name)
+        for cell in (c for c in copy["cells"] if c["cell_type"] == "markdown"):
+            text = "".join(cell["source"])
+            for fold in re.findall(r"<summary>Solution and why</summary>(.*?)</details>", text, re.S):
+                assert "```" not in fold and f"notebooks/{path.name}" in fold, (path.name, fold[:200])
+        hints = [c for c in copy["cells"] if "".join(c["source"]).startswith("**Hints")]
+        assert len(hints) == sum("".join(c["source"]).startswith("**Hints") for c in notebook["cells"])
+    assert folds >= 30  # the chapters' worked answers, all of them checked above

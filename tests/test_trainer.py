@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from minitp import cli, trainer
-from minitp.launcher import LaunchError
 from minitp.parallel3d import unshard_3d
 
 BASE = trainer.Settings(steps=3, batch_size=8, seq_len=32, max_files=30, eval_every=0, warmup=1, clip=0.5)
@@ -44,7 +43,7 @@ def _whole(results) -> dict[str, torch.Tensor]:
 
 LAYOUTS = [dict(dp=2), dict(dp=2, data_parallel="fsdp"), dict(tp=2), dict(pp=2, microbatches=2), dict(cp=2),
            dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2), dict(dp=2, tp=2, data_parallel="fsdp"),
-           dict(dp=2, pp=2, microbatches=2, data_parallel="fsdp", zero=1)]
+           dict(dp=2, pp=2, microbatches=2, data_parallel="fsdp", zero=1), dict(dp=2, tp=2, pp=2, microbatches=2)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
@@ -132,7 +131,8 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_continues_the_curve(tmp_
     code = cli.main(["train", "--dp", "2", *SMALL_RUN, "--out", out, "--kill-at", "3", "--max-restarts", "1"])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "rank 1 was killed by SIGKILL" in err and "restart 1 of 1" in err
+    assert "rank 1 was killed by SIGKILL (signal 9) at step 3: the failure --kill-at planted" in err
+    assert "restart 1 of 1" in err
     log = _log(out)
     assert [r["step"] for r in log if r.get("event") == "start"] == [0, 2]  # resumed at the step-2 checkpoint
     _same_curve(log, whole)
@@ -233,6 +233,7 @@ def test_trace_out_holds_the_last_steps_messages(tmp_path):
     (["--model", "huge"], "invalid choice: 'huge'"),
     (["--steps", "0"], "--steps 0 is not allowed"),
     (["--warmup", "5", "--steps", "5"], "warmup=5 must be from 0 to steps-1"),
+    (["--nproc", "4", "--dp", "2"], "--nproc 4 but dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2 processes"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(argv, said, capsys, monkeypatch):
     def refuse(*args, **kwargs):

@@ -16,13 +16,18 @@ For the home page and every chapter page of a built site (``make site``) this
   page (many colours, not one flat colour);
 * checks each exercise's worked answer is folded: one ``<details class="minitp-answer">`` per fold of
   the chapter's website form (``minitp.exercises.student.website_notebook``), closed on load (nothing
-  of it drawn, no checker verdict "[ok]" in the visible text), open once its summary is clicked;
+  of it drawn, no checker verdict "[ok]" in the visible text), open once its summary is clicked, and
+  after the exercise's hints (no fold is followed by a cell that opens with "Hints", no heading sits
+  between an exercise's stub and its fold);
 * checks each **static twin** of a live control (``.minitp-explore``): clicking each value of each
   control shows another stored panel, with decoded figures or text that differ from the panel before;
+* checks that at 1280 px a chapter's code cell holds at least 110 characters of code (its lines go up
+  to 120: a narrower column makes most cells scroll sideways);
 * checks the page at 730 px and on a **phone** (390 px): the page does not scroll sideways as a whole
   (wide outputs scroll inside themselves), code is at least 12 px, each figure is drawn at least 300 px
-  wide (or as wide as it is) and sits in a box that scrolls if it is wider than the screen, and on the
-  phone the ``In [n]:`` gutter takes at most a tenth of the width;
+  wide (or as wide as it is) and no wider than the screen (a phone shows no scrollbar: a figure that
+  scrolls sideways looks cut off), and on the phone the ``In [n]:`` gutter takes at most a tenth of
+  the width;
 * photographs every page at 1280 and 390 px (``NAME.png``, ``NAME-390px.png``), its first figure and
   first control at both widths; with ``--fold-screenshots`` also its first answer fold, opened.
 
@@ -81,6 +86,7 @@ DESKTOP = (1280, 2000)  # the browser window of the desktop checks and screensho
 PHONE = (390, 1600)  # a phone (CSS px; drawn at twice that, as a phone's screen does)
 TABLET = (730, 1000)  # a small tablet, or a narrow window: checked, not photographed
 PAGE_TIMEOUT_S = 60  # loading a page and typesetting its formulas, on a busy machine
+MIN_CODE_CHARS = 110  # at DESKTOP width a code cell holds this many characters (chapter code runs to 120)
 # Loads from another host written in a page's HTML or CSS (not links a reader may follow).
 OUTSIDE_LOADS = [
     re.compile(r"<(?:script|img|iframe|source|audio|video|embed|track|input)\b[^>]*\bsrc\s*=\s*[\"']?(https?:)?//",
@@ -358,7 +364,25 @@ window.__minitp = (() => {
       stray_outputs: strayOutputs(),
       twins: document.querySelectorAll(".minitp-explore").length,
       folds: folds.length,
+      code_chars: codeChars(),
     };
+  }
+
+  // how many characters of code a code cell's editor holds on one line (null: no code cell)
+  function codeChars() {
+    const editor = [...document.querySelectorAll(".jp-InputArea-editor")].find(seen);
+    const pre = editor && editor.querySelector("pre");
+    if (!pre) return null;
+    const probe = document.createElement("span");
+    probe.style.cssText = "position:absolute;visibility:hidden;white-space:pre";
+    probe.style.font = getComputedStyle(pre).font;
+    probe.textContent = "0".repeat(100);
+    document.body.appendChild(probe);
+    const width = probe.getBoundingClientRect().width / 100;
+    probe.remove();
+    const style = getComputedStyle(pre);
+    const inner = editor.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    return width > 0 ? Math.floor(inner / width) : null;
   }
 
   // the answer folds as a reader finds them (closed, nothing of them drawn), then clicked open
@@ -368,9 +392,19 @@ window.__minitp = (() => {
     const body = (fold) => [...fold.children].filter((el) => el.tagName !== "SUMMARY");
     const closed = all.filter((fold) => !fold.open && extra(fold) < 20 && !body(fold).some(seen)).length;
     const verdict = /\[ok\]/.test(document.body.innerText);
+    // the exercise's hints come before its worked answer, not right after the fold
+    const hintsAfter = all.filter((fold) => /^\s*Hints\b/.test((fold.nextElementSibling || {}).innerText || "")).length;
+    // and nothing of the next exercise (a heading) sits between an exercise's stub and its fold
+    const headingBefore = [...document.querySelectorAll(".celltag_minitp-stub")].filter((stub) => {
+      for (let el = stub.nextElementSibling; el && !el.matches("details.minitp-answer"); el = el.nextElementSibling) {
+        if (el.matches("h1, h2, h3, h4, h5, h6") || el.querySelector("h1, h2, h3, h4, h5, h6")) return true;
+      }
+      return false;
+    }).length;
     all.forEach((fold) => fold.querySelector("summary").click());
     const opened = all.filter((fold) => fold.open && extra(fold) > 40 && body(fold).some(seen)).length;
-    return {folds: all.length, closed: closed, opened: opened, verdict_visible: verdict};
+    return {folds: all.length, closed: closed, opened: opened, verdict_visible: verdict, hints_after: hintsAfter,
+            heading_before: headingBefore};
   }
 
   // each static twin: every value of every control, clicked, shows another panel that differs
@@ -458,8 +492,9 @@ window.__minitp = (() => {
       const drawn = img.getBoundingClientRect();
       const natural = img.getAttribute("width") ? parseFloat(img.getAttribute("width")) : img.naturalWidth;
       if (drawn.width + 1 < Math.min(natural, 300)) small.push(`${Math.round(drawn.width)} px (it is ${natural} px)`);
-      else if (drawn.right > width + 1 && !scrolls(img)) {
-        small.push(`${Math.round(drawn.width)} px, cut at the screen's edge`);
+      else if (drawn.right > width + 1) {
+        const how = scrolls(img) ? "scrolls sideways past" : "cut at";
+        small.push(`${Math.round(drawn.width)} px, ${how} the screen's edge`);
       }
     }
     const prompts = [...content().querySelectorAll(".jp-InputPrompt, .jp-OutputPrompt")].filter(seen);
@@ -650,6 +685,9 @@ def check_page(
         )
     if not facts["content"]:
         problems.append("the page has no Material content area after loading")
+    if notebook is not None and facts["code_chars"] is not None and facts["code_chars"] < MIN_CODE_CHARS:
+        problems.append(f"at {DESKTOP[0]} px a code cell holds {facts['code_chars']} characters of code (at least "
+                        f"{MIN_CODE_CHARS}): most code scrolls sideways")
     report.figures_decoded = facts["decoded"]
     if report.figures_in_page and (facts["decoded"] < report.figures_in_page or facts["smallest"] < 100):
         problems.append(f"the browser decoded {facts['decoded']} of {facts['images']} figures "
@@ -725,7 +763,7 @@ def _layout_problems(report: PageReport, result: dict, gutter: bool) -> None:
     if result["small_code"]:
         report.problems.append(f"{at} code is under 12 px: {'; '.join(result['small_code'])}")
     if result["small_figures"]:
-        report.problems.append(f"{at} figures are drawn too small: {'; '.join(result['small_figures'])}")
+        report.problems.append(f"{at} figures are drawn too small or too wide: {'; '.join(result['small_figures'])}")
     if gutter and result["gutter_px"] > 0.1 * result["width"]:
         report.problems.append(f"{at} the In/Out gutter takes {result['gutter_px']:.0f} px")
 
@@ -744,6 +782,12 @@ def _read_folds(report: PageReport, result: dict) -> None:
                                "their summary is clicked")
     if result["verdict_visible"]:
         report.problems.append("a checker's verdict ([ok]) is visible outside the answer folds")
+    if result.get("hints_after"):
+        report.problems.append(f"{result['hints_after']} answer folds come before their exercise's hints "
+                               "(hints first, the worked answer last)")
+    if result.get("heading_before"):
+        report.problems.append(f"{result['heading_before']} exercises show a heading (the next exercise?) "
+                               "between their stub and their answer fold")
 
 
 def _check_screenshot(report: PageReport, path: Path) -> None:

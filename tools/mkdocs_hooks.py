@@ -9,7 +9,7 @@ The notebooks stay where they are: they never get copied into ``course/`` (the d
   before mkdocs-jupyter looks at the files (it turns them into pages), so links like
   ``notebooks/01_ddp.ipynb`` from ``course/index.md`` resolve. The page is made from the notebook's
   website form (``minitp.exercises.student.website_notebook``, written to a temporary folder): each
-  exercise shows its stub, and its answer cells come tagged ``minitp-answer``.
+  exercise shows its stub, then its hints, and its answer cells come tagged ``minitp-answer``.
 * ``on_page_content`` folds each run of ``minitp-answer`` cells, outputs included (the checker's
   verdict), behind ``<details class="minitp-answer">`` "Show a worked answer", closed by default. It
   also takes the notebook stylesheet (about 600 KB, the same on every chapter) out of the page, to be
@@ -20,7 +20,6 @@ The notebooks stay where they are: they never get copied into ``course/`` (the d
   contents from the headings as rendered (mkdocs-jupyter makes it from a Markdown conversion whose
   ids drop inline code: ``## Accumulate with `no_sync` `` was linked as ``#accumulate-with``, while
   the heading's id is ``accumulate-with-no_sync``).
-  Each PNG figure gets its natural width as a CSS variable (extra.css keeps it readable on a phone).
 * ``on_page_markdown`` resolves ``[text](chapter:NN)`` links in the Markdown pages: a link to
   chapter NN when it exists, plain text marked "in preparation" when it does not (so the course
   plan can name every chapter and ``mkdocs build --strict`` stays clean).
@@ -35,7 +34,6 @@ checks it in Chromium.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
@@ -92,7 +90,6 @@ SEARCH_EXCLUDED = re.compile(
     r'<(div|span|a)\b(?=[^>]*\bclass="(?:jp-InputPrompt|jp-OutputPrompt|zeroclipboard-container|anchor-link'
     r'|clipboard-copy-txt)\b)'
 )
-PNG_IMG = re.compile(r'<img\b(?P<attrs>[^>]*?)\bsrc="data:image/png;base64,(?P<head>[A-Za-z0-9+/]{32})')
 HEADING = re.compile(r'<h([1-6]) id="([^"]+)"[^>]*>(.*?)</h\1>', re.DOTALL)
 ANCHOR_LINK = re.compile(r'<a class="anchor-link"[^>]*>.*?</a>', re.DOTALL)
 TAG = re.compile(r"<[^>]+>")
@@ -247,36 +244,6 @@ def split_notebook_css(html: str) -> tuple[str, str]:
     return head + cells, "\n".join(css) + "\n" if css else ""
 
 
-def png_width(head: str) -> int | None:
-    """The width in pixels of a base64 PNG, from its first 32 characters (the IHDR chunk)."""
-    try:
-        data = base64.b64decode(head[:32])
-    except ValueError:
-        return None
-    return int.from_bytes(data[16:20], "big") if data[:8] == b"\x89PNG\r\n\x1a\n" else None
-
-
-def mark_figure_widths(html: str) -> str:
-    """Give each PNG figure its natural width as ``--natural-width`` (its ``width`` attribute, else the
-    PNG's): on a phone extra.css keeps a figure at least that wide, up to a limit, and lets its output
-    scroll sideways rather than shrink the labels past reading."""
-    def mark(match: re.Match) -> str:
-        attrs = match.group("attrs")
-        if "--natural-width" in attrs:
-            return match.group(0)
-        given = re.search(r'\bwidth="(\d+)', attrs)
-        width = int(given.group(1)) if given else png_width(match.group("head"))
-        if not width:
-            return match.group(0)
-        style = re.search(r'\bstyle="([^"]*)"', attrs)
-        if style:
-            attrs = attrs.replace(style.group(0), f'style="--natural-width:{width}px;{style.group(1)}"')
-        else:
-            attrs = f'{attrs.rstrip()} style="--natural-width:{width}px" '
-        return f'<img{attrs}src="data:image/png;base64,{match.group("head")}'
-    return PNG_IMG.sub(mark, html)
-
-
 def exclude_from_search(html: str) -> str:
     """Mark the prompts, copy buttons, copy-button texts and heading permalinks ``data-search-exclude``."""
     return SEARCH_EXCLUDED.sub(r'<\1 data-search-exclude="true"', html)
@@ -314,7 +281,7 @@ def on_page_content(html, page, config, files):
     tokens = toc_from_headings(html)
     if tokens:
         page.toc = get_toc(tokens)
-    return exclude_from_search(mark_figure_widths(html))
+    return exclude_from_search(html)
 
 
 def link_stylesheet(output: str, href: str, before: str | None) -> str:

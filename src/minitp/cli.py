@@ -199,14 +199,17 @@ def _train(args: argparse.Namespace) -> int:
     dims = {d: getattr(args, d) for d in ("dp", "tp", "pp", "cp")}
     if args.layout == "auto" and any(v > 1 for v in dims.values()):
         raise ValueError("--layout auto picks dp, tp and pp itself: give it --nproc N, without --dp/--tp/--pp/--cp")
-    if args.layout is None and args.nproc is not None:
-        raise ValueError("--nproc goes with --layout auto; otherwise the processes are dp x tp x pp x cp")
+    world = args.dp * args.tp * args.pp * args.cp
+    if args.layout is None and args.nproc is not None and args.nproc != world:
+        raise ValueError(f"--nproc {args.nproc} but dp x tp x pp x cp = {args.dp} x {args.tp} x {args.pp} x {args.cp} "
+                         f"= {world} processes: give the layout's product, or --layout auto --nproc {args.nproc}")
     s = trainer.Settings(
         model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
         data_parallel="fsdp" if args.fsdp else "ddp", zero=args.zero, schedule=args.schedule,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup=args.warmup if args.warmup is not None else min(30, args.steps // 10), clip=args.clip,
-        eval_every=args.eval_every, save_every=args.save_every, out=args.out, resume=args.resume, seed=args.seed,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every, out=args.out,
+        resume=args.resume, seed=args.seed,
         max_files=args.max_files, kill_at=args.kill_at)
     if args.layout == "auto":
         s, rows = trainer.auto_layout(s, args.nproc or 2)
@@ -248,7 +251,8 @@ def _train_options():
             ("cp", "context-parallel ranks per replica (ring attention)"),
             ("ep", "expert-parallel ranks (--model byte-moe)"))),
         Option("layout", str, None, "auto: the planner picks dp, tp and pp for --nproc processes", choices=("auto",)),
-        Option("nproc", int, None, "processes for --layout auto (default 2)", low=1, optional=True),
+        Option("nproc", int, None, "processes: dp x tp x pp x cp, or what --layout auto splits (default 2)", low=1,
+               optional=True),
         Option("fsdp", bool, False, "FSDP across replicas (default DDP)"),
         Option("zero", int, None, "ZeRO stage with --fsdp", choices=(None, 1, 2, 3)),
         Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
@@ -260,6 +264,7 @@ def _train_options():
         Option("warmup", int, None, "warm-up steps (default: a tenth of the steps, at most 30)", low=0, optional=True),
         Option("clip", float, 1.0, "largest global gradient norm (0: no clipping)", low=0),
         Option("eval_every", int, 100, "validation loss every N steps (0: only at the end)", low=0),
+        Option("eval_batches", int, 2, "batches of the validation loss", low=1),
         Option("save_every", int, 100, "checkpoint every N steps (0: only at the end and on Ctrl-C)", low=0),
         Option("out", str, None, "folder for log.jsonl, loss.png and checkpoint/", metavar="DIR"),
         Option("resume", bool, False, "continue from the checkpoint in --out, on this layout, when there is one"),

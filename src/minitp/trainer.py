@@ -269,7 +269,7 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
                       "seconds": round(seconds, 4), "tokens_per_s": round(s.batch_size * s.seq_len / seconds)}
             if peak_flops:
                 record["mfu"] = round(flops_per_step / seconds / (peak_flops * mesh.world_size), 4)
-            if s.eval_every and (done % s.eval_every == 0 or done == s.steps):
+            if done == s.steps or (s.eval_every and done % s.eval_every == 0):
                 record["val_loss"] = round(evaluate(par, val, s.eval_batches), 5)
             if first:
                 log.write(record)
@@ -399,6 +399,7 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
               f"process{'es' * (s.world > 1)} (dp {s.dp}, tp {s.tp}, pp {s.pp}, cp {s.cp}, ep {s.ep}, "
               f"{s.data_parallel}); {corpus.describe()}", flush=True)
     for attempt in range(max_restarts + 1):
+        began = time.time()
         try:
             with _interrupt_saves():
                 results = launch(train_worker, None if under_torchrun() else s.world, s, peak, fd, keep_shards,
@@ -407,7 +408,12 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
         except LaunchError as e:
             if attempt == max_restarts or not s.out:
                 raise
-            print(f"minitp train: {str(e).splitlines()[0]}\nminitp train: restart {attempt + 1} of {max_restarts}, "
+            said = str(e).splitlines()[0]
+            mark = _kill_mark(s) if s.kill_at is not None else None
+            planted = mark is not None and os.path.exists(mark) and os.path.getmtime(mark) >= began
+            if planted and "SIGKILL" in said:
+                said = said.split(" before ")[0] + f" at step {s.kill_at}: the failure --kill-at planted"
+            print(f"minitp train: {said}\nminitp train: restart {attempt + 1} of {max_restarts}, "
                   f"from the last checkpoint in {s.out}", file=sys.stderr, flush=True)
             s = replace(s, resume=True)
     if fd is not None:

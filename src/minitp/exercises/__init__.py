@@ -21,6 +21,8 @@ NOT_DONE = "not done yet (the function still raises NotImplementedError)."
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../minitp
 _MACHINERY = (os.path.join(_PACKAGE, "exercises") + os.sep, os.path.join(_PACKAGE, "launch"))
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in ')
+_COMM = os.path.join(_PACKAGE, "comm.py")
+_REFUSED = re.compile(r"^(TypeError|ValueError): comm\.\w+: ")  # comm refused its arguments (``comm._check``)
 
 
 class ExerciseError(AssertionError):
@@ -53,7 +55,8 @@ def learner_frames(remote_traceback: str) -> str:
     """A traceback's text with the checker's and launch's frames (and torch's, Python's) taken out.
 
     Frames of the learner's code (a notebook cell, a script) and of minitp's library stay; the frame
-    where the error was raised stays whatever it is. Headers and the exception lines stay.
+    where the error was raised stays whatever it is, unless ``minitp.comm`` refused the arguments it was
+    given: then the learner's call is the last frame. Headers and the exception lines stay.
     """
     lines = remote_traceback.rstrip("\n").splitlines()
     blocks: list[tuple[str | None, list[str]]] = []  # (file of the frame or None, its lines)
@@ -65,6 +68,8 @@ def learner_frames(remote_traceback: str) -> str:
             blocks[-1][1].append(line)  # the frame's source line (and its ^^^ marks)
         else:
             blocks.append((None, [line]))
+    refused = bool(lines) and _REFUSED.match(lines[-1]) is not None
+    blocks = [(path, block) for path, block in blocks if not (refused and path and os.path.abspath(path) == _COMM)]
     kept: list[str] = []
     for index, (path, block) in enumerate(blocks):
         innermost = path is not None and (index + 1 == len(blocks) or blocks[index + 1][0] is None)
@@ -93,7 +98,7 @@ def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.
                hang_hint: str = HANG_HINT):
     """Launch ``worker(*args)`` on ``nprocs`` ranks for a checker. A stub, a crash or a hang becomes
     one ``ExerciseError`` that says which: "not done yet", the failing rank's error and the frames of
-    the learner's code (with ``hint`` after it), or which ranks never finished (with ``hang_hint``)."""
+    the learner's code (with ``hint`` after it), or the call each stuck rank waits in (``hang_hint`` first)."""
     try:
         return launch(worker, nprocs, *args, timeout=timeout, echo=False)
     except RankError as err:
@@ -105,10 +110,9 @@ def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.
                             + (f"\n{hint}" if hint else "")
                             + f"\n\nRank {err.rank}'s traceback (your code):\n{learner_frames(err.remote_traceback)}") \
             from None
-    except LaunchTimeout as err:
-        stuck = ", ".join(f"rank {r}" for r in sorted(err.stacks))
-        raise ExerciseError(f"{name}: the run on {nprocs} ranks hung ({stuck} never finished) and was stopped "
-                            f"after {timeout:g} s. {hang_hint}") from None
+    except LaunchTimeout as err:  # the summary: the call each stuck rank waits in, the likely mistake
+        raise ExerciseError(f"{name}: the run on {nprocs} ranks hung and was stopped after {timeout:g} s."
+                            + (f" {hang_hint}" if hang_hint else "") + f"\n{err.summary}") from None
 
 
 __all__ = ["ExerciseError", "HANG_HINT", "NOT_DONE", "call_answer", "learner_frames", "not_implemented", "passed",

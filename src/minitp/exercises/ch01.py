@@ -240,7 +240,13 @@ def _ddp_worker(cls, steps: int, bucket_bytes: int):
         loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
         ready_at.clear()
         with trace.scope(_ANSWER, f"step{step}"), trace.tagged(step=step):  # labels "answer/step0/..."
-            loss.backward()
+            try:
+                loss.backward()
+            except (AttributeError, TypeError) as error:  # a hook read a .grad that backward had not made yet
+                missing = [k for k, p in model.named_parameters() if p.grad is None]
+                if "NoneType" not in str(error) or not missing:
+                    raise
+                return {"too_early": {"step": step, "missing": missing, "error": f"{type(error).__name__}: {error}"}}
             backward_ended = time.perf_counter()
             answer.finish()
         torch.nn.functional.mse_loss(single(x), y).backward()  # one process, the whole batch
@@ -300,6 +306,13 @@ def check_bucketed_ddp(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, time
         results = run_answer(_ddp_worker, n, (cls, steps, _BUCKET_BYTES), name, timeout, hang_hint=(
             "Every rank must launch the same all-reduces in the same order: one per bucket, each once per step."))
         for rank, r in enumerate(results):
+            if "too_early" in r:
+                early = r["too_early"]
+                raise ExerciseError(
+                    f"{name} on {n} ranks, rank {rank}, step {early['step']}: a bucket was launched too early: a "
+                    "bucket is ready when its last gradient arrives. Your hook read the .grad of parameters that "
+                    f"backward had not reached yet ({', '.join(early['missing'])} were still None: {early['error']}). "
+                    "Count the gradients each bucket has received and launch it when the count reaches its size.")
             events = [e for e in results.traces[rank].comm() if _ANSWER in e.scopes]
             ops = sorted({e.op for e in events} - {"all_reduce"})
             if ops:
@@ -308,6 +321,11 @@ def check_bucketed_ddp(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, time
             for step, got in enumerate(r["steps"]):
                 where = f"on {n} ranks, rank {rank}, step {step}"
                 mine = [e for e in events if e.step == step]  # traced in this step's backward and finish()
+                if not mine and step > 0 and any(e.step == step - 1 for e in events):
+                    raise ExerciseError(f"{name} {where}: step {step - 1} launched its all-reduces from the hooks, "
+                                        f"step {step} none: each bucket's count of gradients received went on from "
+                                        "where the last step left it, so no bucket filled up again. Reset the "
+                                        "counts in finish().")
                 if not mine:
                     raise ExerciseError(f"{name} {where}: no all-reduce was traced during backward and finish(). "
                                         "Launch comm.all_reduce(flat, async_op=True) from the hook (through "

@@ -7,7 +7,7 @@
   loss_fn)`` runs one rank's 1F1B actions for real with ``comm.isend`` / ``comm.irecv`` and
   backward. Run on 2 and 4 ranks; the gradients put together are compared with one process, the
   order of the forwards and backwards with the table, the messages with the neighbours; a run that
-  hangs is stopped and the stuck ranks named.
+  hangs is stopped, each stuck rank's call named (its peer and label) with the likely mistake.
 """
 
 from __future__ import annotations
@@ -164,11 +164,8 @@ def check_pipeline_runtime(fn, timeout: float = 30.0) -> None:
     loss_fn(model(tokens), targets).backward()  # the one-process gradient of the full batch
     want = {k: p.grad for k, p in model.named_parameters()}
     for n, m in RUNTIME_CASES:
-        results = run_answer(_runtime_worker, n, (fn, m), name, timeout, hint=_HINT,
-                             hang_hint="A rank waited for a message that never came: every irecv needs the "
-                             "matching isend on the neighbour (activations go to rank + 1, gradients to rank - 1), "
-                             "and a rank must not wait for one before it has sent what the other side needs first. "
-                             + _HINT)
+        # a hang: the call each stuck rank waits in (peer, label) and the likely mistake, in a few lines
+        results = run_answer(_runtime_worker, n, (fn, m), name, timeout, hint=_HINT, hang_hint="")
         table = pp.one_f_one_b(n, m)
         for rank, (r, tr) in enumerate(zip(results, sorted(results.traces, key=lambda t: t.rank))):
             where = f"{name} on {n} ranks, m={m}, rank {rank}"

@@ -168,6 +168,11 @@ def check_dispatch(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
                     f"{name} on {n} ranks: rank {rank}'s incoming counts are {incoming.tolist()}, expected "
                     f"{want_counts.tolist()} (row i: rows from rank i for each of its {EXPERTS // n} experts). "
                     "An all-to-all of the counts (E,) gives rank j every rank's counts for j's experts.")
+            if tuple(incoming.shape) != tuple(want_counts.shape):
+                raise ExerciseError(
+                    f"{name} on {n} ranks: rank {rank}'s incoming counts have shape {tuple(incoming.shape)}, expected "
+                    f"{tuple(want_counts.shape)} (n, E/n): row i holds the rows from rank i for each of this rank's "
+                    f"{EXPERTS // n} experts. The values are right: view them as (n, E/n), e.g. incoming.view(n, -1).")
             got = r["received"]
             if got.shape != want_rows.shape or not torch.equal(got, want_rows):
                 srcs = sorted({int(s) for s in got[:, 0].tolist()}) if got.dim() == 2 and got.numel() else []

@@ -22,17 +22,24 @@ What the two forms do with them:
   The answer cells and every answer-derived cell lose their outputs (no verdict, no "[ok]", no number
   computed from an answer survives) and get the cell tag ``raises-exception``: JupyterLab's Run All
   (and nbclient) then goes on past them, so an unfinished exercise shows "not done yet" and the rest
-  of the chapter still runs. Markdown cells are left alone: worked explanations there sit inside
-  ``<details>``. A copy that already exists and differs from a fresh one (the learner's work) is kept
-  unless ``--force``.
+  of the chapter still runs. Each exercise's hints stay; its worked answer ("Solution and why", folded
+  inside ``<details>``) does not: the fold says where the answer is (the solved chapter in
+  ``notebooks/``, and the website), so the copy itself reveals no answer. A live control's stored output (its
+  static twin, or any widget view: a fresh copy is not trusted, so JupyterLab would strip the twin's
+  style and show every stored panel at once) becomes one line, ``LIVE_CONTROL_LINE``, and the
+  notebook's ``widgets`` metadata goes: the control appears when its cell runs. The copy carries the
+  kernelspec JupyterLab writes (``KERNELSPEC``), so it opens unchanged, not marked unsaved. A copy
+  that already exists and differs from a fresh one (the learner's work) is kept unless ``--force``.
 * **Website form** (``website_notebook``, used by ``tools/mkdocs_hooks.py``): before each answer cell
   a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived cells
   right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs included,
-  behind ``<details>`` "Show a worked answer". A page has no kernel, so the live widgets go: each
-  output loses its ``application/vnd.jupyter.widget-view+json`` entry (the rest stays: a control's
-  static twin is its ``text/html``), an output left with only the widget's ``text/plain`` repr
-  (``interactive(children=…``) is dropped, and so is the notebook's ``widgets`` metadata (with it, the
-  page would load a widget renderer from a CDN).
+  behind ``<details>`` "Show a worked answer", after the exercise's hints (a Markdown cell opening with
+  ``**Hints``, stored after the checker, moves up to sit between the stub and the fold; its text from
+  its first heading on, the next exercise, stays where it was). A page has no kernel, so the live
+  widgets go: each output loses its ``application/vnd.jupyter.widget-view+json`` entry (the rest
+  stays: a control's static twin is its ``text/html``), an output left with only the widget's
+  ``text/plain`` repr (``interactive(children=…``) is dropped, and so is the notebook's ``widgets``
+  metadata (with it, the page would load a widget renderer from a CDN).
 
 Only the standard library is used (the notebook is JSON), so this runs wherever minitp is installed.
 """
@@ -56,6 +63,13 @@ CONTINUE_TAG = "raises-exception"  # JupyterLab and nbclient keep running the ce
 STUB_TAG = "minitp-stub"  # website form: the learner's stub of an answer cell
 ANSWER_TAG = "minitp-answer"  # website form: folded behind "Show a worked answer"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a live ipywidgets view: needs a kernel
+TWIN_CLASS = "minitp-explore-static"  # the outer class of a static twin (minitp.viz.explore.Explorer.static_html)
+LIVE_CONTROL_LINE = "Run this cell: the live control appears here."  # a learner copy's stand-in for a twin
+# What ipykernel installs and JupyterLab writes into a notebook it opens: stored the same, a chapter opens
+# unchanged (tests/test_student.py checks every chapter carries it).
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+HINTS = re.compile(r"\s*\*\*Hints\b")  # an exercise's hints: a Markdown cell that opens with **Hints
+HEADING = re.compile(r"#{1,6} ")  # a Markdown heading: in a hints cell, where the next exercise begins
 
 
 class SolutionMarkerError(ValueError):
@@ -249,12 +263,46 @@ def _clear(cell: dict) -> None:
         tags.append(CONTINUE_TAG)
 
 
+def is_live_control(output: dict) -> bool:
+    """Whether a stored output is a live control: a static twin (``TWIN_CLASS``) or a widget view."""
+    data = output.get("data")
+    if not isinstance(data, dict):
+        return False
+    html = data.get("text/html", "")
+    return WIDGET_VIEW in data or TWIN_CLASS in ("".join(html) if isinstance(html, list) else html)
+
+
+def without_stored_controls(outputs: list[dict]) -> list[dict]:
+    """A learner copy's outputs: each live control's stored output (see :func:`is_live_control`) becomes
+    one line, ``LIVE_CONTROL_LINE`` (once per cell); the other outputs stay as they are."""
+    kept, replaced = [], False
+    for output in outputs:
+        if not is_live_control(output):
+            kept.append(output)
+        elif not replaced:
+            kept.append({"output_type": "display_data", "data": {"text/plain": [LIVE_CONTROL_LINE]}, "metadata": {}})
+            replaced = True
+    return kept
+
+
 def student_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int, int]:
     """The learner's copy of a notebook (as loaded JSON): ``(copy, regions removed, cells changed)``.
 
-    "Cells changed" counts the cells that lost an answer; answer-derived cells are cleared too.
+    "Cells changed" counts the cells that lost an answer; answer-derived cells are cleared too. Each
+    live control's stored output becomes one line; the kernelspec is JupyterLab's (``KERNELSPEC``).
     """
     copy = json.loads(json.dumps(notebook))
+    metadata = copy.setdefault("metadata", {})
+    metadata.pop("widgets", None)  # the state of widgets whose kernel is gone: no view is left to use it
+    metadata["kernelspec"] = dict(KERNELSPEC)
+    for cell in copy.get("cells", []):
+        if cell.get("outputs"):
+            cell["outputs"] = without_stored_controls(cell["outputs"])
+    for cell in copy.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            text = _source_text(cell)
+            if SOLUTION_FOLD.search(text):
+                cell["source"] = SOLUTION_FOLD.sub(_answer_elsewhere(name), text).splitlines(keepends=True)
     regions = cells = 0
     for index, why in answer_cells(copy, name).items():
         cell = copy["cells"][index]
@@ -265,6 +313,16 @@ def student_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int,
             cells += 1
         _clear(cell)
     return copy, regions, cells
+
+
+SOLUTION_FOLD = re.compile(r"<details>\s*<summary>Solution and why</summary>.*?</details>", re.S)
+
+
+def _answer_elsewhere(name: str) -> str:
+    """What a learner copy holds in place of a worked answer's fold."""
+    return ("<details><summary>Solution and why</summary>\n\nNot in your copy: the answer and its reasoning are "
+            f"in the solved chapter, `notebooks/{name}`, and on the website under \"Show a worked answer\". "
+            "Try the hints first.\n</details>")
 
 
 def _notebook_text(notebook: dict) -> str:
@@ -326,8 +384,10 @@ def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]
 
     Before each answer cell, its stub (tag ``minitp-stub``, no output); the answer cell and the
     answer-derived cells that follow it without a Markdown cell between are tagged ``minitp-answer``.
-    An answer-derived cell further on is tagged too and becomes a fold of its own. No live widget is
-    left (see :func:`without_widgets`), nor the ``widgets`` metadata.
+    An answer-derived cell further on is tagged too and becomes a fold of its own. The exercise's hints
+    (a Markdown cell opening with ``**Hints`` right after a fold) move up before the fold: hints first,
+    the worked answer last. No live widget is left (see :func:`without_widgets`), nor the ``widgets``
+    metadata.
     """
     original = json.loads(json.dumps(notebook))
     original.get("metadata", {}).pop("widgets", None)
@@ -336,8 +396,6 @@ def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]
             cell["outputs"] = without_widgets(cell["outputs"])
     derived = answer_cells(original, name)
     cells: list[dict] = []
-    folds = 0
-    previous_folded = False
     for index, cell in enumerate(original.get("cells", [])):
         why = derived.get(index)
         if why == "answer":
@@ -349,15 +407,63 @@ def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]
             if "id" in stub:
                 stub["id"] = f"{stub['id']}-stub"[:64]
             cells.append(stub)
-            previous_folded = False
         if why is not None:
             tags = cell.setdefault("metadata", {}).setdefault("tags", [])
             tags.append(ANSWER_TAG)
-            folds += not previous_folded
-        previous_folded = why is not None
         cells.append(cell)
-    original["cells"] = cells
+    original["cells"] = _hints_before_folds(cells)
+    folded = [_folded(cell) for cell in original["cells"]]
+    folds = sum(now and not before for before, now in zip([False] + folded, folded))  # runs of folded cells
     return original, folds
+
+
+def _folded(cell: dict) -> bool:
+    return ANSWER_TAG in cell.get("metadata", {}).get("tags", [])
+
+
+def _split_at_heading(cell: dict) -> tuple[dict, dict | None]:
+    """A hints cell as (the hints, what follows from its first heading on: often the next exercise's
+    statement, which must stay after the fold), or (the cell, None) when it has no heading."""
+    lines = _source_text(cell).splitlines(keepends=True)
+    at, fenced = None, False
+    for number, line in enumerate(lines):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced  # a "# comment" inside a code block is no heading
+        elif number and not fenced and HEADING.match(line):
+            at = number
+            break
+    if at is None:
+        return cell, None
+    hints, rest = json.loads(json.dumps(cell)), json.loads(json.dumps(cell))
+    hints["source"], rest["source"] = lines[:at], lines[at:]
+    if "id" in rest:
+        rest["id"] = f"{rest['id']}-next"[:64]
+    return hints, rest
+
+
+def _hints_before_folds(cells: list[dict]) -> list[dict]:
+    """The cells with each run of hints cells that follows a fold moved up to just before that fold
+    (a hints cell's text from its first heading on stays after the fold)."""
+    out: list[dict] = []
+    index = 0
+    while index < len(cells):
+        if not _folded(cells[index]):
+            out.append(cells[index])
+            index += 1
+            continue
+        end = index
+        while end < len(cells) and _folded(cells[end]):
+            end += 1
+        hints, rest = [], None
+        next_cell = end
+        while rest is None and next_cell < len(cells) and cells[next_cell].get("cell_type") == "markdown" \
+                and HINTS.match(_source_text(cells[next_cell])):
+            part, rest = _split_at_heading(cells[next_cell])
+            hints.append(part)
+            next_cell += 1
+        out += hints + cells[index:end] + ([rest] if rest is not None else [])
+        index = next_cell
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,10 @@ Why the machinery:
 * A rank that raises ends the run at once: the parent kills every other rank and raises
   ``RankError`` carrying that rank's traceback. A rank that dies without a result (a signal, the
   out-of-memory killer) is the cause over the survivors' "connection closed" errors. A run past
-  ``timeout`` is killed too, and ``LaunchTimeout`` shows where each unfinished rank was stuck.
+  ``timeout`` is killed too, and ``LaunchTimeout`` names the ``minitp.comm`` call each unfinished rank
+  waits in (its peer, label and shape), the likely mistake when the pattern is a known one, and each
+  rank's stack. Each rank learns its call from its own frames when the parent asks (a thread waiting
+  on a FIFO in the run's folder), so sending a message costs nothing more.
 * No process or folder outlives the call: children are killed on any exit and die with their
   parent (Linux); a SIGTERM to the parent ends them and removes the folder first; a folder left
   by a parent killed outright (its pid is in the name) is removed by the next launch.
@@ -37,6 +40,7 @@ Why the machinery:
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import shutil
 import signal
@@ -73,11 +77,16 @@ class RankError(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """The run went past its timeout; ``stacks`` maps each unfinished rank to where it was."""
+    """The run went past its timeout. ``stacks`` maps each unfinished rank to its Python stack, ``calls``
+    each rank still inside the function to the call it waited in (``_in_flight``); ``summary`` says it
+    in a few lines (one a rank, then the likely mistake when the pattern is a known one)."""
 
-    def __init__(self, message: str, stacks: dict[int, str]):
+    def __init__(self, message: str, stacks: dict[int, str], calls: dict[int, dict] | None = None,
+                 summary: str = ""):
         super().__init__(message)
         self.stacks = stacks
+        self.calls = calls or {}
+        self.summary = summary
 
 
 class Results(list):
@@ -214,17 +223,23 @@ def _wait(procs, workdir: str, timeout: float, t0: float, line=None) -> list[dic
                 p.join(timeout=5)
             return [results[r] for r in range(n)]
         if time.perf_counter() - t0 > timeout:
-            stacks = _dump_stacks(procs, workdir, set(range(n)) - set(results))
+            stacks, calls = _dump_stacks(procs, workdir, set(range(n)) - set(results))
             _stop(procs)
             returned = sorted(r for r in stacks if os.path.exists(os.path.join(workdir, f"rank{r}.returned")))
             inside = sorted(set(stacks) - set(returned))
+            calls = {r: calls.get(r, {}) for r in inside}
+            lines = [_call_line(r, calls[r]) for r in inside]
+            likely = _likely_mistake(calls, returned)
             where = "\n\n".join(f"rank {r} was here:\n{stacks[r]}" for r in inside)
+            back = f"  ranks {', '.join(map(str, returned))}: returned, waiting for the others" if returned else ""
             raise LaunchTimeout(
                 f"launch timed out after {timeout:g} s: ranks {inside} of {n} were still inside the function"
                 + (f"; ranks {returned} had returned from it and were waiting for them at the end" if returned
                    else "")
-                + ". A rank waiting in a collective that another rank never joined (or joined with another "
-                  f"shape) is the usual cause.\n\n{where}", stacks)
+                + ":\n" + "\n".join(lines) + "\n"
+                + (likely or "A rank waiting in a collective that another rank never joined (or joined with "
+                   "another shape) is the usual cause.") + f"\n\n{where}",
+                stacks, calls, "\n".join([*lines, *([back] if back else []), *([likely] if likely else [])]))
         if line is not None:
             line.update(len(results))
         time.sleep(0.01)
@@ -274,20 +289,114 @@ def _death_note(rank: int, exitcode: int) -> str:
         f", {hint}" if hint else "")
 
 
-def _dump_stacks(procs, workdir: str, ranks: set[int]) -> dict[int, str]:
-    """Ask each unfinished rank to write its Python stack (faulthandler on SIGUSR1)."""
+def _dump_stacks(procs, workdir: str, ranks: set[int]) -> tuple[dict[int, str], dict[int, dict]]:
+    """Ask each unfinished rank to write its Python stack (faulthandler on SIGUSR1) and the comm call
+    it is in (``_answer_where``); return both, by rank."""
     for rank in ranks:
         if procs[rank].is_alive() and hasattr(signal, "SIGUSR1"):
             try:
                 os.kill(procs[rank].pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
+        try:  # opening the FIFO wakes the rank's thread; none listening (the rank is gone): no answer
+            os.close(os.open(os.path.join(workdir, f"rank{rank}.ask"), os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
     time.sleep(0.5)
-    stacks = {}
+    stacks, calls = {}, {}
     for r in ranks:  # faulthandler writes the innermost call first: keep the head
         text = _tail(os.path.join(workdir, f"rank{r}.stack"), 10**6)
         stacks[r] = text[:4000] or "(no stack written)"
-    return stacks
+        try:
+            with open(os.path.join(workdir, f"rank{r}.call")) as f:
+                calls[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return stacks, calls
+
+
+# -- where a stuck rank waits, and what that pattern usually means -------------------------------------
+def _in_flight(frame) -> dict:
+    """What the thread whose innermost frame is ``frame`` waits in, read from the frames themselves: the
+    ``minitp.comm`` call (``call`` as written, ``op`` as traced, ``peer``, ``label``, ``group``, ``shape``,
+    ``waited`` seconds), else ``where``: the innermost function outside torch, Python and the launcher."""
+    comm = sys.modules.get("minitp.comm")
+    f = frame
+    while f is not None and (comm is None or f.f_code.co_filename != comm.__file__):
+        f = f.f_back
+    if f is None:
+        skip = (f"{os.sep}torch{os.sep}", os.path.dirname(os.__file__) + os.sep, os.path.dirname(__file__))
+        f = frame
+        while f is not None and any(s in f.f_code.co_filename for s in skip):
+            f = f.f_back
+        f = f or frame
+        return {} if f is None else {"where": f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:"
+                                              f"{f.f_lineno})"}
+    name, local = f.f_code.co_name, f.f_locals
+    handle = local.get("self") if name in ("wait", "is_completed") else None
+    event = getattr(handle, "event", None) if handle is not None else local.get("event")
+    op = event.op if event is not None else {"isend": "send", "irecv": "recv"}.get(name, name)
+    call = name
+    if handle is not None:
+        call = (f"i{op}(...).wait()" if op in ("send", "recv") else f"{op}(..., async_op=True).wait()") if event \
+            else "wait()"
+    if event is None:  # nothing was recording: what the call's own arguments say
+        peer = local.get("dst", local.get("src")) if op in ("send", "recv") else None
+        return {"call": call, "op": op, "peer": peer, "label": local.get("label", ""), "group": [], "shape": []}
+    return {"call": call, "op": op, "peer": event.peer, "label": event.label, "group": list(event.group),
+            "shape": list(event.shape), "waited": round(time.perf_counter() - event.start, 1)}
+
+
+def _call_line(rank: int, c: dict) -> str:
+    """One line for a stuck rank: '  rank 0: in irecv(...).wait() from rank 1, label "B0", shape (2, 8), for 7.6 s'."""
+    if not c:
+        return f"  rank {rank}: did not say where it was (see its stack)"
+    if "where" in c:
+        return f"  rank {rank}: not in a minitp.comm call, in {c['where']}"
+    peer = {"send": f" to rank {c['peer']}", "recv": f" from rank {c['peer']}"}.get(
+        c["op"], f" over ranks {tuple(c['group'])}" if c["group"] else "")
+    label = f', label "{c["label"]}"' if c["label"] else ""
+    shape = f", shape {tuple(c['shape'])}" if c["shape"] else ""
+    waited = f", for {c['waited']:g} s" if "waited" in c else ""
+    return f"  rank {rank}: in {c['call']}{peer}{label}{shape}{waited}"
+
+
+def _likely_mistake(calls: dict[int, dict], returned: list[int]) -> str:
+    """One sentence on the likely mistake when the stuck ranks' calls make a known pattern, else ""."""
+    known = {r: c for r, c in calls.items() if c.get("op")}
+    if not known or len(known) < len(calls):
+        return ""
+    if all(c["op"] == "recv" for c in known.values()):
+        return "Every stuck rank waits to receive: a send is missing or goes the wrong way."
+    for r, c in sorted(known.items()):
+        if c["op"] != "send":
+            continue
+        peer, other = c["peer"], known.get(c["peer"])
+        if other is None and peer in returned:
+            return f"Rank {r}'s send to rank {peer} waits for a receive, but rank {peer} returned: a recv is missing."
+        if other is not None and not (other["op"] == "recv" and other["peer"] == r):
+            doing = f"{other['call']}" + (f" to rank {other['peer']}" if other["op"] == "send" else
+                                          f" from rank {other['peer']}" if other["op"] == "recv" else "")
+            return (f"Rank {r}'s send waits for rank {peer} to receive it, but rank {peer} is in {doing}: a blocking "
+                    "send returns only once the other side receives, so post one side with isend (or receive "
+                    "first on one side).")
+    collective = {r: c for r, c in known.items() if c["op"] not in ("send", "recv")}
+    if len(collective) == len(known):
+        by_group: dict[tuple, list] = {}
+        for c in collective.values():
+            by_group.setdefault(tuple(c["group"]), []).append(c)
+        for cs in by_group.values():
+            if len({(c["op"], c["label"]) for c in cs}) > 1:
+                return "The ranks call collectives in a different order: every rank of a group must make the same " \
+                       "collectives, in the same order."
+            if len({tuple(c["shape"]) for c in cs}) > 1:
+                return (f"The ranks called {cs[0]['op']} with different shapes "
+                        f"({', '.join(sorted({str(tuple(c['shape'])) for c in cs}))}): every rank passes the same.")
+        if returned:
+            ops = sorted({c["op"] for c in collective.values()})
+            return (f"Ranks {', '.join(map(str, returned))} returned without joining {' / '.join(ops)}: every rank of "
+                    "the group must call it.")
+    return ""
 
 
 def _stop(procs) -> None:
@@ -370,9 +479,36 @@ def _redirect_output(workdir: str, rank: int) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
+def _answer_where(workdir: str, rank: int) -> None:
+    """Start a thread that, when the parent opens this rank's FIFO (at a timeout), writes the call the
+    main thread waits in (``_in_flight``) to ``rank<r>.call``. Read from the frames then, it costs a
+    message nothing; a rank blocked in a collective has released the GIL, so the thread runs."""
+    if not hasattr(os, "mkfifo"):
+        return
+    fifo, main = os.path.join(workdir, f"rank{rank}.ask"), threading.main_thread().ident
+
+    def answer():
+        os.close(os.open(fifo, os.O_RDONLY))  # blocks until the parent opens it to write
+        path = os.path.join(workdir, f"rank{rank}.call")
+        try:
+            call = _in_flight(sys._current_frames().get(main))
+        except Exception:  # a courtesy: the stack still says where the rank was
+            call = {}
+        with open(path + ".tmp", "w") as f:
+            json.dump(call, f)
+        os.replace(path + ".tmp", path)
+
+    try:
+        os.mkfifo(fifo)
+    except OSError:  # a folder that holds no FIFO: a timeout then shows the stacks alone
+        return
+    threading.Thread(target=answer, name="minitp-where", daemon=True).start()
+
+
 def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, timeout: float) -> None:
     _die_with_parent()
     _redirect_output(workdir, rank)
+    _answer_where(workdir, rank)
     stack_file = open(os.path.join(workdir, f"rank{rank}.stack"), "w")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
@@ -468,7 +604,9 @@ def _launch_in_place(fn, args, backend: str, timeout: float) -> Results:
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     t0 = time.perf_counter()
-    watchdog = guard.start_watchdog(timeout, f"rank {rank} of {world}")
+    main = threading.get_ident()
+    watchdog = guard.start_watchdog(timeout, f"rank {rank} of {world}",
+                                    where=lambda: _call_line(rank, _in_flight(sys._current_frames().get(main))))
     try:
         torch.set_num_threads(1)
         if backend == "nccl":

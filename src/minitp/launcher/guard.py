@@ -269,15 +269,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def start_watchdog(timeout: float, who: str):
+def start_watchdog(timeout: float, who: str, where=None):
     """End this process (exit status 124, as timeout(1) does) with every thread's stack once
     ``timeout`` seconds pass; return the function that calls it off. Under torchrun nothing above
-    the process enforces minitp's timeout, so it does it itself."""
+    the process enforces minitp's timeout, so it does it itself. ``where()``, if given, is a line
+    saying what the process waits in, written first."""
     stream = sys.__stderr__ or sys.stderr
 
     def fire():
-        stream.write(f"\nminitp.launch: {who} ran past timeout={timeout:g} s; ending this process. "
-                     "Where each thread was (the first is this watchdog; innermost call first):\n")
+        stream.write(f"\nminitp.launch: {who} ran past timeout={timeout:g} s; ending this process.\n")
+        if where is not None:
+            try:
+                stream.write(f"{where()}\n")
+            except Exception as e:  # the line is a courtesy: the stacks below must still be written
+                stream.write(f"(where it waits could not be read: {e!r})\n")
+        stream.write("Where each thread was (the first is this watchdog; innermost call first):\n")
         stream.flush()
         faulthandler.dump_traceback(file=stream, all_threads=True)
         stream.flush()

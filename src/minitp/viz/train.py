@@ -6,7 +6,7 @@ from minitp.viz.style import RANK_COLORS, figure
 
 
 def loss_figure(records: list[dict], title: str | None = None, width: float = 8.0, height: float = 3.4):
-    """Training loss per step (faint) and its running mean over 20 steps, validation loss (dots), in nats
+    """Training loss per step (faint) and its running mean (up to 20 steps), validation loss (dots), in nats
     per byte; a dashed line where a run resumed from its checkpoint (a restart, or another layout)."""
     steps = [r for r in records if "loss" in r]
     fig = figure(width, height)
@@ -14,8 +14,9 @@ def loss_figure(records: list[dict], title: str | None = None, width: float = 8.
     if steps:
         x, y = [r["step"] for r in steps], [r["loss"] for r in steps]
         ax.plot(x, y, color=RANK_COLORS[0], alpha=0.25, linewidth=1)
-        window = [sum(y[max(0, i - 19):i + 1]) / len(y[max(0, i - 19):i + 1]) for i in range(len(y))]
-        ax.plot(x, window, color=RANK_COLORS[0], linewidth=2, label="training (mean of 20 steps)")
+        w = max(1, min(20, len(y) // 10))  # a running mean over a tenth of the run, at most 20 steps
+        mean = [sum(y[max(0, i - w + 1):i + 1]) / len(y[max(0, i - w + 1):i + 1]) for i in range(len(y))]
+        ax.plot(x, mean, color=RANK_COLORS[0], linewidth=2, label=f"training (mean of {w} steps)")
     val = [r for r in records if "val_loss" in r]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color=RANK_COLORS[5],

@@ -1,0 +1,495 @@
+"""Checkers for chapter 09, a real training run on a layout the learner composes.
+
+* ``check_parallelize(fn)``: ``fn(model, mesh)`` turns a plain model into what this rank runs on a
+  ``Mesh``: tensor parallel over ``mesh.tp_group`` first, then this rank's ``pp.PipelineStage``, then
+  ``FullyShardedDataParallel`` over ``mesh.dp_group`` (ZeRO-1 with a pipeline, else ZeRO-3); a
+  dimension of size 1 may be left out. Run on 4 ranks (dp2×tp2, tp2×pp2, dp2×pp2): what each rank
+  holds must equal ``Parallel3D``'s pieces (its tp slices of its stage), and a forward and backward
+  through it must give the loss of one process.
+* ``check_clip_grad_norm(fn)``: ``fn(par, max_norm)`` clips the gradients of a ``Parallel3D`` by the
+  global norm, each element of the model counted once, with one all-reduce. Run on 4 ranks (DDP
+  tp2×pp2, DDP dp2×tp2, FSDP dp2×tp2) after a forward and backward on a real batch: the norm must be
+  ``torch.nn.utils.clip_grad_norm_``'s on one process and every gradient scaled as it scales them.
+* ``check_lr_schedule(fn)``: ``fn(step, steps, warmup, lr, min_ratio)``, linear warm-up then a cosine
+  down to ``min_ratio``·lr, against ``minitp.trainer.lr_at``.
+* ``check_wasted_fraction(fn)``: ``fn(interval, save_seconds, restart_seconds, mtbf)``, the share of a
+  run's time lost to checkpoints and failures, to first order (Young, 1974).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+from minitp import comm, trace
+from minitp.exercises import ExerciseError, call_answer, passed, run_answer
+from minitp.grid import coordinates, group_lists
+
+ANSWER = "answer"
+WHOLE_CONTEXT = ("tok_embeddings.weight", "output.weight")  # what a pipeline stage takes from the model itself
+
+
+def _config():
+    """A small byte-level model (vocabulary 256) that tp = 2 and pp = 2 can split: 4 blocks, D = 64."""
+    from minitp.trainer import BYTE
+
+    return BYTE.with_(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=192, max_seq_len=64)
+
+
+# -- exercise 1: compose the layout -------------------------------------------------------------------------
+PARALLELIZE_LAYOUTS = ((2, 1, 2), (1, 2, 2), (2, 2, 1))  # (dp, pp, tp), 4 ranks each
+
+
+def _random_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randint(0, 256, (4, 17), generator=g)  # (B, S + 1)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _loss_through(out, module, mesh) -> float | None:
+    """One forward and backward of the batch through what the learner built, as ``Parallel3D`` runs
+    it: this replica's rows; the pipeline's schedule calling the wrapper when pp > 1. The loss of this
+    replica's rows on the last stage, else None."""
+    from minitp import pp, tp
+    from minitp.ddp import split_batch
+    from minitp.fsdp import FullyShardedDataParallel
+    from minitp.models import loss_fn
+    from minitp.models.train import make_optimizer
+
+    fsdp = isinstance(out, FullyShardedDataParallel)
+    if fsdp:  # FSDP runs only with its optimizer attached (its step hooks finish each step)
+        out.attach(make_optimizer(out.parameters(), 3e-3))
+    tokens, targets = _random_batch()
+    if mesh.dp > 1:
+        tokens, targets = split_batch(tokens, mesh.dp_group), split_batch(targets, mesh.dp_group)
+    if mesh.tp > 1:
+        def loss_of(logits, y):  # logits (b, S, V/tp)
+            return tp.vocab_parallel_cross_entropy(logits, y, mesh.tp_group)
+    else:
+        loss_of = loss_fn
+    if mesh.pp == 1:
+        loss = loss_of(out(tokens), targets)
+        loss.backward()
+        return loss.item()
+    stage = pp.StageSpec(module.stage, module.num_stages, module, out, module.config.dim, torch.float32,
+                         torch.device("cpu"))
+    pipeline = pp.Pipeline(stage, mesh.pp_group, "1f1b", 2, loss=loss_of)
+    with out.no_sync() if fsdp else nullcontext():
+        record = pipeline.forward_backward(tokens, targets)
+    if fsdp:
+        out.finish_gradients()
+    return record.loss
+
+
+def _parallelize_worker(fn, layout):
+    import torch.nn as nn
+
+    from minitp import pp, tp
+    from minitp.fsdp import FullyShardedDataParallel
+    from minitp.mesh import Mesh
+    from minitp.models import build_model
+    from minitp.parallel3d import Parallel3D
+
+    dp, pp_size, tp_size = layout
+    cfg = _config()
+    mesh = Mesh(dp, pp_size, tp_size)
+    want = Parallel3D(build_model(cfg, seed=0), mesh, "fsdp").local_shards()  # {name: (tp slice, dim)}
+    model = build_model(cfg, seed=0)
+    try:
+        with trace.scope(ANSWER):
+            out = fn(model, mesh)
+    except RuntimeError as error:
+        if "storage of size 0" in str(error):  # tp.parallelize met tensors FSDP had already emptied
+            return {"fsdp_first": str(error).splitlines()[0]}
+        raise
+    fsdp = isinstance(out, FullyShardedDataParallel)
+    module = out.module if fsdp else out
+    if not isinstance(module, nn.Module):
+        return {"bad": type(out).__name__}
+    info = {"fsdp": fsdp, "kind": type(out).__name__, "stage": isinstance(module, pp.PipelineStage),
+            "split_layers": sum(isinstance(m, tp.SPLIT_LAYERS) for m in module.modules()),
+            "want": {name: t for name, (t, _) in want.items()}}
+    if fsdp:
+        info["zero"], info["group"] = out.zero, list(comm.group_ranks(out.group))
+        held = out.full_state_dict()  # collective over the learner's group: every rank calls it
+    else:
+        held = {name: p.detach() for name, p in module.named_parameters()}
+    info["held"] = {name: t.detach().clone().cpu() for name, t in held.items()}
+    same = held.keys() == want.keys() and all(tuple(held[n].shape) == tuple(want[n][0].shape) for n in want)
+    if same and (mesh.pp == 1 or info["stage"]):  # run it only when it holds what it should (no hang)
+        try:
+            info["loss"] = _loss_through(out, module, mesh)
+        except Exception as error:  # told after what is wrong with the pieces, if anything is
+            info["loss_error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    return info
+
+
+def _blocks(names) -> list[int]:
+    return sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+
+
+def _check_pieces(name: str, layout, rank: int, r: dict, whole: dict) -> None:
+    """What rank ``rank`` built and holds, against ``Parallel3D``'s pieces: the first mistake found."""
+    dp, pp_size, tp_size = layout
+    where = f"on dp={dp}, pp={pp_size}, tp={tp_size}, rank {rank}"
+    c = coordinates(rank, dp, pp_size, tp_size)
+    if "fsdp_first" in r:
+        raise ExerciseError(
+            f"{name} {where}: tp.parallelize found the model's tensors empty (\"storage of size 0\"). "
+            "FSDP had wrapped the model first: it flattens every parameter into its own buffer, keeps "
+            "this rank's shard and frees the whole tensors, so tensor parallel found nothing to split. Wrap "
+            "with FSDP last, around what tp and pp left on this rank.")
+    if "bad" in r:
+        raise ExerciseError(f"{name} {where}: return the module this rank runs (the FSDP wrapper, or the stage "
+                            f"or the model when dp = 1), got {r['bad']}.")
+    held, want = r["held"], r["want"]
+    if tp_size > 1 and r["split_layers"] == 0:
+        raise ExerciseError(f"{name} {where}: nothing is split over tp: every layer is whole. Start with "
+                            "tp.parallelize(model, mesh.tp_group), on the whole model.")
+    if r["fsdp"] and tp_size > 1 and any(tuple(held[n].shape) == tuple(whole[n].shape) for n in held
+                                         if n.startswith("layers.") and n in want and want[n].shape != whole[n].shape):
+        raise ExerciseError(
+            f"{name} {where}: FSDP holds the whole matrices, unsplit, while the model's layers are tp-parallel: "
+            "FSDP wrapped the model before tensor parallel split it. tp.parallelize then put new, split layers "
+            "in place, which FSDP never saw (it shards and averages the old ones). Split first, wrap last.")
+    if dp > 1 and not r["fsdp"]:
+        raise ExerciseError(f"{name} {where}: dp={dp}, but this rank returned a {r['kind']} that keeps a whole "
+                            "copy of its piece and never averages its gradients. Wrap what the rank holds in "
+                            "FullyShardedDataParallel(module, mesh.dp_group, zero=...) and return the wrapper.")
+    if r["fsdp"]:
+        ranks = next(g for g in group_lists(dp, pp_size, tp_size)["dp"] if rank in g)
+        if r["group"] != ranks:
+            raise ExerciseError(f"{name} {where}: FSDP shards over ranks {r['group']}, expected the dp group "
+                                f"{ranks}: the ranks that hold the same piece of the model (mesh.dp_group).")
+        zero = 1 if pp_size > 1 else 3
+        if r["zero"] != zero:
+            why = ("with a pipeline each micro-batch runs its own backward, so the gradients must add up whole "
+                   "before they are sharded: ZeRO-1" if pp_size > 1 else
+                   "without a pipeline, shard everything: ZeRO-3")
+            raise ExerciseError(f"{name} {where}: FSDP with zero={r['zero']}, expected zero={zero}: {why}.")
+    if held.keys() != want.keys():
+        mine, expected = _blocks(held), _blocks(want)
+        if pp_size > 1 and len(mine) > len(expected):
+            raise ExerciseError(f"{name} {where}: this rank holds blocks {mine}, the whole model; its stage is "
+                                f"blocks {expected}. Cut it with pp.PipelineStage(model, mesh.coords.pp, mesh.pp).")
+        extra, missing = sorted(held.keys() - want.keys()), sorted(want.keys() - held.keys())
+        raise ExerciseError(f"{name} {where} (stage {c.pp} of {pp_size}): it holds blocks {mine}, expected "
+                            f"{expected}" + (f"; unexpected {extra[:3]}" if extra else "")
+                            + (f"; missing {missing[:3]}" if missing else "")
+                            + ". The stage is this rank's pp coordinate: mesh.coords.pp of mesh.pp.")
+    for n in want:
+        got, expected = tuple(held[n].shape), tuple(want[n].shape)
+        if got == expected:
+            continue
+        if n in WHOLE_CONTEXT and got == tuple(whole[n].shape):
+            raise ExerciseError(
+                f"{name} {where}: the stage's {n} is whole, {got}, while its blocks are split: the stage was "
+                "cut before tensor parallel. PipelineStage keeps the model's embedding and output layer as they "
+                "were; tp.parallelize then put split ones on the model, not on the stage. Split the whole "
+                "model first, then cut the stage.")
+        raise ExerciseError(f"{name} {where}: {n} has shape {got}, expected {expected} (this rank's tp slice of "
+                            f"{tuple(whole[n].shape)}). Split over mesh.tp_group, whose {tp_size} ranks differ "
+                            "only in tp.")
+    for n in want:
+        if not torch.equal(held[n], want[n]):
+            raise ExerciseError(f"{name} {where}: {n} has the right shape but not the values of this rank's "
+                                f"slice (tp rank {c.tp} holds slice {c.tp}). Split over mesh.tp_group, and build "
+                                "nothing anew: the plain model's weights are the ones to cut.")
+
+
+def check_parallelize(fn, layouts=PARALLELIZE_LAYOUTS) -> None:
+    """``fn(model, mesh)`` -> what this rank runs: tp split, then the stage, then FSDP over dp."""
+    from minitp.models import build_model, loss_fn
+
+    name = "parallelize on a mesh"
+    cfg = _config()
+    plain = build_model(cfg, seed=0)
+    whole = {n: p.detach() for n, p in plain.named_parameters()}
+    tokens, targets = _random_batch()
+    with torch.no_grad():
+        reference = loss_fn(plain(tokens), targets).item()
+    for layout in layouts:
+        dp, pp_size, tp_size = layout
+        results = run_answer(_parallelize_worker, dp * pp_size * tp_size, (fn, layout), name, timeout=60)
+        for rank, r in enumerate(results):
+            _check_pieces(name, layout, rank, r, whole)
+        for rank, r in enumerate(results):
+            if "loss_error" in r:
+                raise ExerciseError(f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: each rank holds the right "
+                                    f"pieces, but a forward and backward through them failed on rank {rank}: "
+                                    f"{r['loss_error']}")
+        last = [r["loss"] for rank, r in enumerate(results)
+                if coordinates(rank, dp, pp_size, tp_size).pp == pp_size - 1 and r.get("loss") is not None]
+        if len(last) != dp * tp_size:
+            raise ExerciseError(f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: the last stage's ranks returned "
+                                "no loss: return the module itself (a PipelineStage, or FSDP around it).")
+        loss = sum(last) / len(last)  # every tp rank of a replica has its loss; the replicas' mean is the batch's
+        if not math.isclose(loss, reference, rel_tol=1e-5, abs_tol=1e-6):
+            raise ExerciseError(f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: every rank holds the right "
+                                f"pieces, but a forward gives the loss {loss:.6f}, one process {reference:.6f}.")
+    shown = ", ".join(f"dp{d}·pp{p}·tp{t}".replace("·pp1", "").replace("·tp1", "").replace("dp1·", "")
+                      for d, p, t in layouts)
+    passed(name, f"on 4 ranks, {shown}: each rank holds Parallel3D's pieces, and the loss is one process's")
+
+
+# -- exercise 2: clip by the global norm ------------------------------------------------------------------
+CLIP_LAYOUTS = ((1, 2, 2, "ddp"), (2, 1, 2, "ddp"), (2, 1, 2, "fsdp"))  # (dp, pp, tp, data parallel)
+NO_CLIP = 1e6  # a max_norm no gradient reaches: nothing may change
+
+
+def _real_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """4 sequences of 32 bytes of the standard library's source (step 0 of the training sampler)."""
+    from minitp.data import Sampler, load_corpus
+
+    return Sampler(load_corpus().train, 4, 32, seed=0).batch(0)
+
+
+def _reference_gradients() -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, the whole batch: the global norm (torch's) and every gradient, unclipped."""
+    from minitp.models import build_model, loss_fn
+
+    model = build_model(_config(), seed=0)
+    tokens, targets = _real_batch()
+    loss_fn(model(tokens), targets).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+    return norm, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _clip_worker(fn, layout, small: float, reference: float):
+    from minitp.mesh import Mesh
+    from minitp.models import build_model
+    from minitp.parallel3d import Parallel3D
+    from minitp.trainer import all_gradients
+
+    dp, pp_size, tp_size, data_parallel = layout
+    mesh = Mesh(dp, pp_size, tp_size)
+    par = Parallel3D(build_model(_config(), seed=0), mesh, data_parallel, microbatches=2 if pp_size > 1 else 1)
+    par.optimizer.zero_grad(set_to_none=True)
+    par.forward_backward(*_real_batch())
+    grads = all_gradients(par)
+    saved = [g.detach().clone() for g in grads]
+    out = {"replicated": sorted(n for n, d in par.split_dims.items() if d is None)}
+    for case, max_norm in (("no clip", NO_CLIP), ("clip", small)):
+        for g, s in zip(grads, saved):
+            g.copy_(s)
+        with trace.scope(ANSWER, case.replace(" ", "_")):
+            norm = fn(par, max_norm)
+        try:
+            norm = float(norm)
+        except (TypeError, ValueError):
+            out[case] = {"bad": repr(norm)[:80]}
+            continue
+        coef = min(1.0, max_norm / (reference + 1e-6))
+        flat, before = torch.cat([g.reshape(-1) for g in grads]), torch.cat([s.reshape(-1) for s in saved])
+        out[case] = {"norm": norm,
+                     "unchanged": bool(torch.equal(flat, before)),
+                     "untouched": sum(bool(torch.equal(g, s)) and bool(s.any()) for g, s in zip(grads, saved)),
+                     "scaled": bool(torch.allclose(flat, before * coef, rtol=1e-4, atol=1e-10)),
+                     "factor": float(flat @ before / (before @ before))}  # the scale it applied, if one
+    return out
+
+
+def _ops(results, case: str) -> list[list[tuple[str, int]]]:
+    """Per rank: (op, group size) of every message the answer sent in ``case``."""
+    scope = case.replace(" ", "_")
+    return [[(e.op, len(e.group)) for e in tr.comm() if ANSWER in e.scopes and scope in e.scopes]
+            for tr in results.traces]
+
+
+def _norm_hint(got: float, want: float, n2: float, r2: float, dp: int, tp_size: int, ddp: bool) -> str:
+    """The usual mistake whose norm is nearest to ``got`` (the replicated norm weights' share r2 of the
+    squares is small, so the candidates are compared closely), else what to do."""
+    twice = "The replicated norm weights are counted twice"
+    candidates = [(n2, "That is the sum of squares: return its square root.")]
+    if tp_size > 1:
+        candidates.append((math.sqrt(n2 + (tp_size - 1) * r2),
+                           f"{twice}: every tp rank holds the same whole RMSNorm weight and the same gradient "
+                           "for it (split_dims[name] is None). Count them on tp rank 0 only."))
+    if ddp and dp > 1:
+        candidates.append((want * math.sqrt(dp),
+                           f"That is the norm times sqrt(dp) = sqrt({dp}): DDP replicas summed. After the average "
+                           "every replica holds the same gradients; count the first replica's only (dp rank 0)."))
+    if ddp and dp > 1 and tp_size > 1:
+        candidates.append((math.sqrt(dp * (n2 + (tp_size - 1) * r2)),
+                           f"DDP replicas summed (the norm times sqrt(dp)), and {twice[4:]}: count the first "
+                           "replica only (dp rank 0), and a replicated weight on tp rank 0 only."))
+    value, hint = min(candidates, key=lambda c: abs(c[0] - got) / c[0])
+    if abs(value - got) <= 2e-5 * value:
+        return hint
+    if not ddp and got < 1e-12:
+        return ("Under FSDP the averaged gradients live in the shards, not on the module's parameters: read "
+                "par.fsdp.gradient_pieces(), (name, this rank's piece); every rank's pieces are disjoint.")
+    if not ddp and dp > 1 and got < want:
+        return ("Under FSDP every rank holds a different shard of the gradients: all of them count (the "
+                "replicated weights still on tp rank 0 only).")
+    return ("Sum the squares of the gradient elements this rank owns (each element of the model once over the "
+            "world), all-reduce that one number over the world, take the square root.")
+
+
+def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
+    """``fn(par, max_norm)`` -> the global norm before clipping; every gradient scaled by
+    min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` on one process."""
+    name = "clip by the global norm"
+    _real_batch()  # builds the corpus's cache here once, not on every rank at once
+    want, grads = _reference_gradients()
+    small = want / 4  # clips: every gradient must shrink 4 times
+    for layout in layouts:
+        dp, pp_size, tp_size, data_parallel = layout
+        ddp = data_parallel == "ddp"
+        where = f"on {data_parallel.upper()} dp={dp}, pp={pp_size}, tp={tp_size}"
+        results = run_answer(_clip_worker, dp * pp_size * tp_size, (fn, layout, small, want), name, timeout=60)
+        replicated = set().union(*(r["replicated"] for r in results)) if tp_size > 1 else set()
+        n2, r2 = want * want, sum(float(grads[n].pow(2).sum()) for n in replicated)
+        for case in ("no clip", "clip"):
+            bad = [(rank, r[case]["bad"]) for rank, r in enumerate(results) if "bad" in r[case]]
+            if bad:
+                raise ExerciseError(f"{name} {where}: rank {bad[0][0]} returned {bad[0][1]}; return the norm, "
+                                    "a number (a float, or a 0-d tensor).")
+            norms = [r[case]["norm"] for r in results]
+            if max(norms) - min(norms) > 1e-6 * max(1.0, max(norms)):
+                stages = [coordinates(rank, dp, pp_size, tp_size).pp for rank in range(len(norms))]
+                per_stage = {s: norms[stages.index(s)] for s in set(stages)}
+                same_in_stage = all(math.isclose(v, per_stage[s], rel_tol=1e-6) for v, s in zip(norms, stages))
+                if pp_size > 1 and same_in_stage and math.isclose(
+                        math.sqrt(sum(v * v for v in per_stage.values())), want, rel_tol=1e-4):
+                    shown = ", ".join(f"{v:.4f}" for v in per_stage.values())
+                    raise ExerciseError(
+                        f"{name} {where}: each pipeline stage found its own norm ({shown}), "
+                        f"expected {want:.4f} on every rank: the all-reduce is missing across pipeline stages. "
+                        "A stage holds only its blocks' gradients; the norm needs every stage's: all-reduce over "
+                        "the whole world (group=None), not over the tp or dp group.")
+                shown = ", ".join(f"{v:.4f}" for v in norms)
+                raise ExerciseError(f"{name} {where}: the ranks disagree on the norm ({shown}). "
+                                    "Each rank's sum of squares is a piece of one sum: all-reduce it over the whole "
+                                    "world (group=None), then every rank takes the same square root.")
+            got = norms[0]
+            if not math.isclose(got, want, rel_tol=1e-5):
+                raise ExerciseError(f"{name} {where}: you gave the norm {got:.6f}, one process (torch.nn.utils."
+                                    f"clip_grad_norm_) {want:.6f}. "
+                                    + _norm_hint(got, want, n2, r2, dp, tp_size, ddp))
+        for rank, r in enumerate(results):
+            if not r["no clip"]["unchanged"]:
+                raise ExerciseError(f"{name} {where}: with max_norm={NO_CLIP:g}, far above the norm {want:.4f}, "
+                                    f"rank {rank}'s gradients changed (scaled by {r['no clip']['factor']:.4g}). "
+                                    "Clipping only ever shrinks: coef = min(1, max_norm / (norm + 1e-6)).")
+        if all(r["clip"]["unchanged"] for r in results):
+            raise ExerciseError(f"{name} {where}: the norm is right, but with max_norm={small:.4f} (a quarter of "
+                                "it) no gradient changed: you forgot to scale. Multiply every gradient in place by "
+                                "min(1, max_norm / (norm + 1e-6)).")
+        for rank, r in enumerate(results):
+            if not r["clip"]["scaled"]:
+                c = coordinates(rank, dp, pp_size, tp_size)
+                if r["clip"]["untouched"]:
+                    raise ExerciseError(
+                        f"{name} {where}: rank {rank} (dp {c.dp}, pp {c.pp}, tp {c.tp}) left {r['clip']['untouched']} "
+                        "of its gradients as they were. Scale every gradient the optimizer will read on every rank "
+                        "(every replica, every tp rank, every shard), not only the ones you counted in the norm.")
+                raise ExerciseError(f"{name} {where}: rank {rank}'s gradients were scaled by about "
+                                    f"{r['clip']['factor']:.4g}, expected min(1, {small:.4f} / ({want:.4f} + 1e-6)) = "
+                                    f"{min(1.0, small / (want + 1e-6)):.4g}, on every gradient.")
+        for case in ("no clip", "clip"):
+            for rank, ops in enumerate(_ops(results, case)):
+                if ops != [("all_reduce", len(results))]:
+                    said = ", ".join(f"{op} over {n} ranks" for op, n in ops) or "nothing traced"
+                    raise ExerciseError(
+                        f"{name} {where}: the values are right, but rank {rank} sent {said}. One all-reduce of one "
+                        "number over the whole world is all it takes (the pieces are disjoint), sent with "
+                        "minitp.comm.all_reduce so that it is recorded.")
+    passed(name, "DDP tp2·pp2 and dp2·tp2, FSDP dp2·tp2: torch's norm on one process, every gradient scaled "
+                 "as it scales them, one all-reduce")
+
+
+# -- exercise 3: the learning rate ------------------------------------------------------------------------
+LR_CASES = [(100, 10, 3e-3, 0.1, (0, 4, 9, 10, 11, 55, 98, 99)),
+            (300, 30, 1e-3, 0.0, (0, 29, 30, 164, 299)),
+            (60, 6, 3e-3, 0.1, (0, 5, 6, 32, 59)),
+            (50, 0, 2e-3, 0.2, (0, 1, 25, 49))]
+
+
+def _lr(step, steps, warmup, lr, min_ratio):
+    from minitp.trainer import Settings, lr_at
+
+    return lr_at(step, Settings(steps=steps, warmup=warmup, lr=lr, min_lr_ratio=min_ratio))
+
+
+def _lr_hint(fn, steps, warmup, lr, min_ratio) -> str:
+    def at(step):
+        return float(call_answer("learning rate", fn, step, steps, warmup, lr, min_ratio))
+
+    close = lambda a, b: math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)  # noqa: E731
+    if warmup and close(at(0), 0.0):
+        return ("The first step already moves the weights: warm up as lr·(step + 1)/warmup, so step 0 gets "
+                "lr/warmup and step warmup − 1 the full lr.")
+    if warmup and close(at(warmup - 1), lr * (warmup - 1) / warmup):
+        return "Warm up as lr·(step + 1)/warmup: step warmup − 1 reaches the full lr."
+    if min_ratio and close(at(steps - 1), 0.0):
+        return (f"The cosine goes down to min_ratio·lr = {min_ratio * lr:g}, not to 0: "
+                "lr·(min_ratio + (1 − min_ratio)·c).")
+    if not close(at(steps - 1), min_ratio * lr):
+        return ("The last step (steps − 1) must reach min_ratio·lr: progress = (step − warmup) / (steps − 1 − "
+                "warmup), from 0 after the warm-up to 1 at the last step.")
+    mid = warmup + (steps - 1 - warmup) // 4
+    linear = lr * (min_ratio + (1 - min_ratio) * (1 - (mid - warmup) / max(1, steps - 1 - warmup)))
+    if close(at(mid), linear):
+        return "That decays linearly; the schedule is a cosine: c = (1 + cos(π·progress)) / 2."
+    return "After the warm-up: lr·(min_ratio + (1 − min_ratio)·(1 + cos(π·progress))/2)."
+
+
+def check_lr_schedule(fn) -> None:
+    """``fn(step, steps, warmup, lr, min_ratio)``: the learning rate of ``step`` (0-based)."""
+    name = "learning rate"
+    for steps, warmup, lr, min_ratio, points in LR_CASES:
+        for step in points:
+            got = call_answer(name, fn, step, steps, warmup, lr, min_ratio)
+            want = _lr(step, steps, warmup, lr, min_ratio)
+            try:
+                ok = math.isclose(float(got), want, rel_tol=1e-9, abs_tol=1e-15)
+            except (TypeError, ValueError):
+                raise ExerciseError(f"{name}: return a number, got {got!r}.") from None
+            if not ok:
+                raise ExerciseError(f"{name}: for steps={steps}, warmup={warmup}, lr={lr:g}, min_ratio={min_ratio}, "
+                                    f"step {step} you gave {float(got):.6g}, expected {want:.6g}. "
+                                    + _lr_hint(fn, steps, warmup, lr, min_ratio))
+    passed(name, "warm-up, then a cosine to min_ratio·lr, as minitp.trainer.lr_at")
+
+
+# -- exercise 4: how often to save -------------------------------------------------------------------------
+def wasted_fraction(interval: float, save_seconds: float, restart_seconds: float, mtbf: float) -> float:
+    """minitp's answer: saving costs save_seconds every interval of work; a failure (one every mtbf
+    seconds on average) loses half an interval of work on average and the restart."""
+    return save_seconds / interval + (interval / 2 + restart_seconds) / mtbf
+
+
+WASTE_CASES = [(600, 30, 120, 3 * 3600), (1800, 60, 600, 11_000), (120, 5, 20, 86_400), (3600, 300, 900, 7200)]
+
+
+def check_wasted_fraction(fn) -> None:
+    """``fn(interval, save_seconds, restart_seconds, mtbf)``: the share of the time lost, to first order."""
+    name = "time lost to checkpoints and failures"
+    for interval, save, restart, mtbf in WASTE_CASES:
+        got = call_answer(name, fn, interval, save, restart, mtbf)
+        want = wasted_fraction(interval, save, restart, mtbf)
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            raise ExerciseError(f"{name}: return a number (a fraction of the time), got {got!r}.") from None
+        if math.isclose(got, want, rel_tol=1e-9):
+            continue
+        hints = [
+            (save / interval + (interval + restart) / mtbf,
+             "A failure lands anywhere in an interval: on average halfway, so it loses interval/2 of work."),
+            (save / interval + interval / 2 / mtbf,
+             "Each failure also costs the restart: the relaunch and the load of the checkpoint."),
+            ((interval / 2 + restart) / mtbf, "Saving costs save_seconds once per interval: add save/interval."),
+            (100 * want, "Return a fraction (0.05), not a percentage (5)."),
+            (save / interval + interval / 2 + restart,
+             "Failures come once every mtbf seconds: divide the time each one costs by mtbf."),
+        ]
+        hint = next((h for v, h in hints if math.isclose(got, v, rel_tol=1e-9)),
+                    "Per second of run: save/interval for the saves, plus (interval/2 + restart)/mtbf for the "
+                    "failures.")
+        raise ExerciseError(f"{name}: for interval={interval} s, save={save} s, restart={restart} s, mtbf={mtbf} s "
+                            f"you gave {got:.6g}, expected {want:.6g}. {hint}")
+    passed(name, "save/interval + (interval/2 + restart)/mtbf")

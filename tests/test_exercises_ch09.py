@@ -1,0 +1,343 @@
+"""The chapter 09 checkers accept the right answers and catch the usual mistakes with a useful message."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minitp import comm, pp, tp
+from minitp.exercises import ExerciseError, ch09
+from minitp.fsdp import FullyShardedDataParallel
+
+
+def _stub(*args):
+    raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+
+# -- exercise 1: compose the layout ------------------------------------------------------------------------
+def parallelize_right(model, mesh):
+    if mesh.tp > 1:
+        tp.parallelize(model, mesh.tp_group)
+    module = pp.PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+    if mesh.dp > 1:
+        module = FullyShardedDataParallel(module, mesh.dp_group, zero=1 if mesh.pp > 1 else 3)
+    return module
+
+
+def parallelize_every_dimension_even_of_size_1(model, mesh):
+    tp.parallelize(model, mesh.tp_group)
+    module = pp.PipelineStage(model, mesh.coords.pp, mesh.pp)
+    return FullyShardedDataParallel(module, mesh.dp_group, zero=1 if mesh.pp > 1 else 3)
+
+
+def parallelize_fsdp_first(model, mesh):
+    module = FullyShardedDataParallel(model, mesh.dp_group, zero=3)
+    tp.parallelize(model, mesh.tp_group)
+    return module
+
+
+def parallelize_fsdp_first_zero1(model, mesh):
+    module = FullyShardedDataParallel(model, mesh.dp_group, zero=1)
+    tp.parallelize(model, mesh.tp_group)
+    return module
+
+
+def parallelize_stage_first(model, mesh):
+    stage = pp.PipelineStage(model, mesh.coords.pp, mesh.pp)
+    if mesh.tp > 1:
+        tp.parallelize(model, mesh.tp_group)
+    return FullyShardedDataParallel(stage, mesh.dp_group, zero=1 if mesh.pp > 1 else 3)
+
+
+def parallelize_without_tp(model, mesh):
+    module = pp.PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+    return FullyShardedDataParallel(module, mesh.dp_group, zero=1 if mesh.pp > 1 else 3)
+
+
+def parallelize_without_fsdp(model, mesh):
+    if mesh.tp > 1:
+        tp.parallelize(model, mesh.tp_group)
+    return pp.PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+
+
+def parallelize_fsdp_over_the_world(model, mesh):
+    if mesh.tp > 1:
+        tp.parallelize(model, mesh.tp_group)
+    module = pp.PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+    return FullyShardedDataParallel(module, None, zero=1 if mesh.pp > 1 else 3)
+
+
+def parallelize_zero3_in_a_pipeline(model, mesh):
+    if mesh.tp > 1:
+        tp.parallelize(model, mesh.tp_group)
+    module = pp.PipelineStage(model, mesh.coords.pp, mesh.pp) if mesh.pp > 1 else model
+    return FullyShardedDataParallel(module, mesh.dp_group, zero=3) if mesh.dp > 1 else module
+
+
+def parallelize_no_stage(model, mesh):
+    if mesh.tp > 1:
+        tp.parallelize(model, mesh.tp_group)
+    return FullyShardedDataParallel(model, mesh.dp_group, zero=1 if mesh.pp > 1 else 3) if mesh.dp > 1 else model
+
+
+def parallelize_tp_over_dp(model, mesh):
+    tp.parallelize(model, mesh.dp_group)
+    return FullyShardedDataParallel(model, mesh.dp_group, zero=3)
+
+
+def test_parallelize_accepts_the_answer(capsys):
+    ch09.check_parallelize(parallelize_right)
+    assert "[ok] parallelize on a mesh" in capsys.readouterr().out
+
+
+def test_parallelize_accepts_wrappers_of_size_1():
+    ch09.check_parallelize(parallelize_every_dimension_even_of_size_1)
+
+
+@pytest.mark.parametrize("answer, layouts, message", [
+    (parallelize_fsdp_first, ((2, 1, 2),), "FSDP had wrapped the model first"),
+    (parallelize_fsdp_first_zero1, ((2, 1, 2),), "FSDP wrapped the model before tensor parallel"),
+    (parallelize_stage_first, ((2, 1, 2), (1, 2, 2)), "the stage was cut before tensor parallel"),
+    (parallelize_without_tp, ((2, 1, 2),), "nothing is split over tp"),
+    (parallelize_without_fsdp, ((2, 1, 2),), "never averages its gradients"),
+    (parallelize_fsdp_over_the_world, ((2, 1, 2),), "expected the dp group"),
+    (parallelize_zero3_in_a_pipeline, ((2, 2, 1),), "expected zero=1"),
+    (parallelize_no_stage, ((1, 2, 2),), "the whole model"),
+    (parallelize_tp_over_dp, ((2, 1, 2),), "not the values"),
+    (_stub, ((2, 1, 2),), "not done yet"),
+])
+def test_parallelize_catches_mistakes(answer, layouts, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch09.check_parallelize(answer, layouts=layouts)
+
+
+# -- exercise 2: clip by the global norm ---------------------------------------------------------------------
+def _pieces(par, counted, every_replica=False):
+    """(gradients counted in the norm, every gradient) of this rank."""
+    c = par.mesh.coords
+    if par.fsdp is not None:
+        pieces = par.fsdp.gradient_pieces()
+        return [g for n, g in pieces if counted(n)], [g for _, g in pieces]
+    grads = [(n, p.grad) for n, p in par.module.named_parameters() if p.grad is not None]
+    return [g for n, g in grads if counted(n) and (every_replica or c.dp == 0)], [g for _, g in grads]
+
+
+def _finish(squares, every, max_norm, group=None, scale=True, upwards=False, root=True):
+    comm.all_reduce(squares, group=group)
+    norm = squares.sqrt().item() if root else squares.item()
+    coef = max_norm / (norm + 1e-6) if upwards else min(1.0, max_norm / (norm + 1e-6))
+    if scale:
+        for g in every:
+            g.mul_(coef)
+    return norm
+
+
+@torch.no_grad()
+def clip_right(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm)
+
+
+@torch.no_grad()
+def clip_norm_weights_twice(par, max_norm):
+    mine, every = _pieces(par, lambda name: True)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm)
+
+
+@torch.no_grad()
+def clip_within_the_stage(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, group=par.mesh.tp_group)
+
+
+@torch.no_grad()
+def clip_every_replica(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted, every_replica=True)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm)
+
+
+@torch.no_grad()
+def clip_without_scaling(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, scale=False)
+
+
+@torch.no_grad()
+def clip_scales_up(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, upwards=True)
+
+
+@torch.no_grad()
+def clip_only_what_was_counted(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, _ = _pieces(par, counted)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), mine, max_norm)
+
+
+@torch.no_grad()
+def clip_squares(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted)
+    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, root=False)
+
+
+@torch.no_grad()
+def clip_untraced(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted)
+    squares = sum(g.pow(2).sum() for g in mine) + torch.zeros(())
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    for g in every:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+@torch.no_grad()
+def clip_three_all_reduces(par, max_norm):
+    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
+    mine, every = _pieces(par, counted, every_replica=True)
+    squares = sum(g.pow(2).sum() for g in mine) + torch.zeros(())
+    m = par.mesh
+    comm.all_reduce(squares, group=m.tp_group)
+    comm.all_reduce(squares, group=m.pp_group)
+    if par.fsdp is not None:
+        comm.all_reduce(squares, group=m.dp_group)
+    norm = squares.sqrt().item()
+    for g in every:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def test_clip_accepts_the_answer(capsys):
+    ch09.check_clip_grad_norm(clip_right)
+    assert "[ok] clip by the global norm" in capsys.readouterr().out
+
+
+TP_PP, DP_TP, FSDP_DP_TP = ch09.CLIP_LAYOUTS
+
+
+@pytest.mark.parametrize("answer, layouts, message", [
+    (clip_norm_weights_twice, (TP_PP,), "counted twice"),
+    (clip_within_the_stage, (TP_PP,), "missing across pipeline stages"),
+    (clip_every_replica, (DP_TP,), "DDP replicas summed"),
+    (clip_without_scaling, (TP_PP,), "forgot to scale"),
+    (clip_scales_up, (TP_PP,), "only ever shrinks"),
+    (clip_only_what_was_counted, (TP_PP,), "not only the ones you counted"),
+    (clip_squares, (TP_PP,), "square root"),
+    (clip_untraced, (TP_PP,), "nothing traced"),
+    (clip_three_all_reduces, (TP_PP,), "One all-reduce"),
+    (_stub, (TP_PP,), "not done yet"),
+])
+def test_clip_catches_mistakes(answer, layouts, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch09.check_clip_grad_norm(answer, layouts=layouts)
+
+
+# -- exercise 3: the learning rate ---------------------------------------------------------------------------
+def lr_right(step, steps, warmup, lr, min_ratio):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def lr_warmup_from_zero(step, steps, warmup, lr, min_ratio):
+    return lr * step / warmup if step < warmup else lr_right(step, steps, warmup, lr, min_ratio)
+
+
+def lr_down_to_zero(step, steps, warmup, lr, min_ratio):
+    return lr_right(step, steps, warmup, lr, 0.0)
+
+
+def lr_progress_over_steps(step, steps, warmup, lr, min_ratio):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / (steps - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def lr_linear(step, steps, warmup, lr, min_ratio):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * (1 - progress))
+
+
+def test_lr_accepts_the_answer(capsys):
+    ch09.check_lr_schedule(lr_right)
+    assert "[ok] learning rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lr_warmup_from_zero, "step 0 gets"),
+    (lr_down_to_zero, "not to 0"),
+    (lr_progress_over_steps, "must reach min_ratio"),
+    (lr_linear, "decays linearly"),
+    (_stub, "not done yet"),
+])
+def test_lr_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch09.check_lr_schedule(answer)
+
+
+# -- exercise 4: how often to save ---------------------------------------------------------------------------
+def waste_right(interval, save_seconds, restart_seconds, mtbf):
+    return save_seconds / interval + (interval / 2 + restart_seconds) / mtbf
+
+
+def test_waste_accepts_the_answer(capsys):
+    ch09.check_wasted_fraction(waste_right)
+    assert "[ok] time lost to checkpoints and failures" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda i, c, r, m: c / i + (i + r) / m, "halfway"),
+    (lambda i, c, r, m: c / i + i / 2 / m, "the restart"),
+    (lambda i, c, r, m: (i / 2 + r) / m, "save/interval"),
+    (lambda i, c, r, m: 100 * waste_right(i, c, r, m), "not a percentage"),
+    (lambda i, c, r, m: c / i + i / 2 + r, "divide the time each one costs by mtbf"),
+    (_stub, "not done yet"),
+])
+def test_waste_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch09.check_wasted_fraction(answer)
+
+
+def test_the_best_interval_is_youngs_square_root():
+    save, restart, mtbf = 60.0, 600.0, 11_000.0
+    best = min(range(60, 20_000), key=lambda i: ch09.wasted_fraction(i, save, restart, mtbf))
+    assert abs(best - math.sqrt(2 * save * mtbf)) <= 1
+
+
+# -- the chapter's stored live control -------------------------------------------------------------------------
+def test_stored_twin_trains_every_layout_like_one_process():
+    """Chapter 09's website twin is honest: each stored layout's loss is one process's, and its ranks hold
+    the share of the model the layout gives them (dp: all of it, tp and pp: about half)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from minitp.trainer import BYTE
+    from minitp.viz.explore import stored_twins, twin_texts
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "09_capstone.ipynb"
+    twins = stored_twins(json.loads(notebook.read_text(encoding="utf-8")))
+    assert len(twins) == 1
+    texts = twin_texts(twins[0])
+    assert len(texts) == 3
+    for text in texts:
+        loss, reference, gap = re.search(r"step 24: loss ([\d.]+), one process ([\d.]+); largest gap ([\d.e+-]+)",
+                                         text).groups()
+        assert loss == reference and float(gap) < 1e-5, text
+        held = [int(h.replace(",", "")) for h in re.search(r"per rank: ([\d, ]+) \(", text)[1].split(", ")]
+        assert len(held) == 2
+        share = sum(held) / BYTE.num_params()
+        assert share == 2 or 0.99 < share < 1.01, text  # dp 2: two copies; tp 2 and pp 2: one model between them
