@@ -123,6 +123,15 @@ def _pieces(par, counted, every_replica=False):
     return [g for n, g in grads if counted(n) and (every_replica or c.dp == 0)], [g for _, g in grads]
 
 
+def _counted(par):
+    """The right rule: a tp-split parameter on every tp rank, a replicated one on the first."""
+    return lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0
+
+
+def _squares(grads) -> torch.Tensor:
+    return sum(g.pow(2).sum() for g in grads) + torch.zeros(())
+
+
 def _finish(squares, every, max_norm, group=None, scale=True, upwards=False, root=True):
     comm.all_reduce(squares, group=group)
     norm = squares.sqrt().item() if root else squares.item()
@@ -135,64 +144,56 @@ def _finish(squares, every, max_norm, group=None, scale=True, upwards=False, roo
 
 @torch.no_grad()
 def clip_right(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm)
+    mine, every = _pieces(par, _counted(par))
+    return _finish(_squares(mine), every, max_norm)
 
 
 @torch.no_grad()
 def clip_norm_weights_twice(par, max_norm):
     mine, every = _pieces(par, lambda name: True)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm)
+    return _finish(_squares(mine), every, max_norm)
 
 
 @torch.no_grad()
 def clip_within_the_stage(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, group=par.mesh.tp_group)
+    mine, every = _pieces(par, _counted(par))
+    return _finish(_squares(mine), every, max_norm, group=par.mesh.tp_group)
 
 
 @torch.no_grad()
 def clip_every_replica(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted, every_replica=True)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm)
+    mine, every = _pieces(par, _counted(par), every_replica=True)
+    return _finish(_squares(mine), every, max_norm)
 
 
 @torch.no_grad()
 def clip_without_scaling(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, scale=False)
+    mine, every = _pieces(par, _counted(par))
+    return _finish(_squares(mine), every, max_norm, scale=False)
 
 
 @torch.no_grad()
 def clip_scales_up(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, upwards=True)
+    mine, every = _pieces(par, _counted(par))
+    return _finish(_squares(mine), every, max_norm, upwards=True)
 
 
 @torch.no_grad()
 def clip_only_what_was_counted(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, _ = _pieces(par, counted)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), mine, max_norm)
+    mine, _ = _pieces(par, _counted(par))
+    return _finish(_squares(mine), mine, max_norm)
 
 
 @torch.no_grad()
 def clip_squares(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted)
-    return _finish(sum(g.pow(2).sum() for g in mine) + torch.zeros(()), every, max_norm, root=False)
+    mine, every = _pieces(par, _counted(par))
+    return _finish(_squares(mine), every, max_norm, root=False)
 
 
 @torch.no_grad()
 def clip_untraced(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted)
-    squares = sum(g.pow(2).sum() for g in mine) + torch.zeros(())
+    mine, every = _pieces(par, _counted(par))
+    squares = _squares(mine)
     dist.all_reduce(squares)
     norm = squares.sqrt().item()
     for g in every:
@@ -202,9 +203,8 @@ def clip_untraced(par, max_norm):
 
 @torch.no_grad()
 def clip_three_all_reduces(par, max_norm):
-    counted = lambda name: par.split_dims[name] is not None or par.mesh.coords.tp == 0  # noqa: E731
-    mine, every = _pieces(par, counted, every_replica=True)
-    squares = sum(g.pow(2).sum() for g in mine) + torch.zeros(())
+    mine, every = _pieces(par, _counted(par), every_replica=True)
+    squares = _squares(mine)
     m = par.mesh
     comm.all_reduce(squares, group=m.tp_group)
     comm.all_reduce(squares, group=m.pp_group)
