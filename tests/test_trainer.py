@@ -244,6 +244,17 @@ def test_bad_input_is_one_line_before_anything_starts(argv, said, capsys, monkey
     assert said in err and len(err.splitlines()) == 1, err
 
 
+def test_an_out_folder_that_cannot_be_one_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("processes were started for input that should have been refused")
+    monkeypatch.setattr("minitp.launcher.launch", refuse)
+    (tmp_path / "a-file").write_text("mine")
+    assert cli.main(["train", "--out", str(tmp_path / "a-file")]) == 2
+    assert "is a file; expected a folder" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(tmp_path / "a-file" / "below")]) == 2
+    assert "cannot make the folder" in capsys.readouterr().err
+
+
 def test_sample_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys):
     assert cli.main(["sample"]) == 2
     assert "--checkpoint DIR is required" in capsys.readouterr().err

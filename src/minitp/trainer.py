@@ -388,7 +388,14 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
     s.check()
     corpus = load_corpus(max_files=s.max_files)  # built once here, not by every rank at once
     if s.out:
-        os.makedirs(s.out, exist_ok=True)
+        if os.path.exists(s.out) and not os.path.isdir(s.out):
+            raise ValueError(f"--out {s.out} is a file; expected a folder for the log, figure and checkpoint")
+        try:
+            os.makedirs(s.out, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {s.out}: cannot make the folder ({e.strerror})") from None
+        if not os.access(s.out, os.W_OK):
+            raise ValueError(f"--out {s.out} is not writable")
         checkpoint.check_save_folder(os.path.join(s.out, "checkpoint"))
     peak = _peak_flops() if backend == "gloo" else None
     # the parent's terminal, for the first rank's progress bar (a forked rank inherits the copy; its own
