@@ -87,11 +87,11 @@ def test_messages_by_dim_puts_every_message_in_its_dimension(step):
             want = [e for e in tr.comm() if e.dim == dim]
             assert len([g for g in gids if g.startswith(f"msg:{tr.rank}:{dim}:")]) == len(want) > 0
     expected = cost.threed_step_bytes(TINY, 4, 8, 2, 2, 2, stage=0)
-    texts = [t.get_text() for t in fig.axes[0].texts]
+    texts = {t.get_gid(): t.get_text() for t in fig.axes[0].texts}
     from minitp.viz.timeline import format_bytes
 
-    words = "  ".join(f"{d} {format_bytes(expected[d])}" for d in ("tp", "pp", "dp"))
-    assert words in texts  # rank 0's bytes per dimension, written at the end of its lane
+    for d in ("tp", "pp", "dp"):  # rank 0's bytes per dimension, written at the end of its row
+        assert texts[f"sent:0:{d}"] == f"{d} {format_bytes(expected[d])}"
     assert {e.dim for e in step.events if e.kind == "comm"} == {"tp", "pp", "dp"}  # every message has its group's
 
 

@@ -80,7 +80,7 @@ def test_timeline_compute_spans_are_the_blocks(run):
 
 
 def test_timeline_labels_carry_bytes(run):
-    fig = timeline(run, label_prefix="step", width=40)  # wide enough for every label to fit
+    fig = timeline(run, label_prefix="step", width=100)  # wide enough for every label to fit
     texts = {t.get_text() for t in fig.axes[0].texts}
     for i, nbytes in enumerate(run[0]):
         assert f"ddp/bucket{i}  {format_bytes(nbytes)}" in texts

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from minitp.viz.format import byte_scale, format_bytes
-from minitp.viz.style import OP_COLORS, figure, rank_color
+from minitp.viz.style import LEGEND_PT, OP_COLORS, TEXT_PT, figure, rank_color, rank_text_color, text_on
 
 SUM_COLOR = "#DDDDDD"  # a value that is a sum over ranks belongs to no single rank
 
@@ -23,18 +23,15 @@ def _fmt(v: float) -> str:
 
 
 def _draw_row(ax, y: float, texts: list[str], faces: list, edges: list[str] | None = None,
-              widths: list[float] | None = None, fontsize: float = 8) -> None:
+              widths: list[float] | None = None, fontsize: float = TEXT_PT) -> None:
     """A row of boxes at height y, one per value, text inside (white on dark boxes)."""
-    from matplotlib.colors import to_rgb
     from matplotlib.patches import Rectangle
 
     for i, (text, face) in enumerate(zip(texts, faces)):
         edge = edges[i] if edges else "white"
         lw = widths[i] if widths else 1.0
         ax.add_patch(Rectangle((i, y - 0.4), 0.96, 0.8, facecolor=face, edgecolor=edge, linewidth=lw))
-        dark = sum(to_rgb(face)) / 3 < 0.45
-        ax.text(i + 0.48, y, text, ha="center", va="center", fontsize=fontsize,
-                color="white" if dark else "black")
+        ax.text(i + 0.48, y, text, ha="center", va="center", fontsize=fontsize, color=text_on(face))
 
 
 def _lighten(color: str, amount: float = 0.55) -> tuple[float, float, float]:
@@ -127,7 +124,7 @@ def ring_steps(records: list[list[dict]], steps: list[int] | None = None, contri
         _rank_axes(ax, n, n, _step_title(entry0))
         if i % columns:
             ax.set_yticks([])
-        ax.set_xticks([i + 0.48 for i in range(n)], [f"c{i}" for i in range(n)], fontsize=7)
+        ax.set_xticks([i + 0.48 for i in range(n)], [f"c{i}" for i in range(n)], fontsize=TEXT_PT)
         ax.tick_params(bottom=False, labeltop=True, labelbottom=False)
         for rank in range(n):
             entry = records[rank][k]
@@ -145,7 +142,7 @@ def ring_steps(records: list[list[dict]], steps: list[int] | None = None, contri
                 got = entry["received"] == c and entry["from"] is not None
                 edges.append(rank_color(entry["from"]) if got else "white")
                 widths.append(2.5 if got else 1.0)
-            _draw_row(ax, rank, texts, faces, edges, widths, fontsize=7)
+            _draw_row(ax, rank, texts, faces, edges, widths, fontsize=TEXT_PT)
     for ax in axes[len(steps):]:
         ax.axis("off")
     return fig
@@ -177,15 +174,21 @@ def message_graph(events, title: str = "", unit: str = "B"):
                                 mutation_scale=14, shrinkA=16, shrinkB=16, color=rank_color(src),
                                 linewidth=1 + 2.5 * nbytes / most)
         ax.add_patch(arrow)
-        # label just beyond the bulge of the arc: arc3 with rad=-0.25 bends towards (-dy, dx)
+        # label just beyond the bulge of the arc (arc3 with rad=-0.25 bends towards (-dy, dx)), anchored on
+        # the side facing the arc so the text runs away from it, off the arrows
         mx, my = (x0 + x1) / 2, (y0 + y1) / 2
-        lx, ly = mx - 0.42 * (y1 - y0), my + 0.42 * (x1 - x0)
+        length = math.hypot(x1 - x0, y1 - y0) or 1.0
+        ux, uy = -(y1 - y0) / length, (x1 - x0) / length
+        reach = 0.125 * length + 0.08
+        ha = "left" if ux > 0.3 else "right" if ux < -0.3 else "center"
+        va = "bottom" if uy > 0.3 else "top" if uy < -0.3 else "center"
         amount = format_bytes(nbytes) if unit == "B" else f"{nbytes:g} {unit}"
-        ax.text(lx, ly, f"{count} msgs, {amount}", ha="center", va="center", fontsize=7,
-                color=rank_color(src))
+        ax.text(mx + reach * ux, my + reach * uy, f"{count} msgs, {amount}", ha=ha, va=va, fontsize=TEXT_PT,
+                color=rank_text_color(src))  # the sender's colour, darkened where too pale to read on white
     for r, (x, y) in pos.items():
         ax.add_patch(Circle((x, y), 0.17, facecolor=rank_color(r), edgecolor="white", zorder=3))
-        ax.text(x, y, str(r), ha="center", va="center", color="white", fontsize=10, weight="bold", zorder=4)
+        ax.text(x, y, str(r), ha="center", va="center", color=text_on(rank_color(r)), fontsize=10, weight="bold",
+                zorder=4)
     ax.set_xlim(-1.6, 1.6)
     ax.set_ylim(-1.6, 1.6)
     if title:
@@ -208,10 +211,14 @@ def bytes_per_rank(sent: list[float], expected: float | list[float], title: str 
         ax.axhline(expected / scale, color="black", linestyle="--", linewidth=1, label=formula)
     else:
         ax.plot(range(n), [e / scale for e in expected], "k_", markersize=20, label=formula)
-    ax.set_xticks(range(n), [f"rank {r}" for r in range(n)])
+    if n > 4:  # "rank 5" under each of 8 bars would run into its neighbours: numbers, and the axis says rank
+        ax.set_xticks(range(n), [str(r) for r in range(n)])
+        ax.set_xlabel("rank")
+    else:
+        ax.set_xticks(range(n), [f"rank {r}" for r in range(n)])
     ax.set_ylabel(f"bytes sent ({unit})")
     ax.set_ylim(0, 1.35 * top / scale if top > 0 else 1)  # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
+    ax.legend(fontsize=LEGEND_PT, loc="upper center", ncol=2, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig

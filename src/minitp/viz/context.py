@@ -18,6 +18,7 @@ from matplotlib.patches import FancyBboxPatch
 from minitp.layout import cp_chunks
 from minitp.viz import style
 from minitp.viz.format import format_bytes
+from minitp.viz.style import LEGEND_PT, TEXT_PT
 
 
 def _owner_grid(seq_len: int, cp: int, balanced: bool, causal: bool = True) -> np.ndarray:
@@ -49,14 +50,15 @@ def attention_work(seq_len: int, cp: int, layouts=(False, True), causal: bool = 
         ax.set_ylabel("query position")
         for rank in range(cp):
             ax.plot([], [], "s", color=style.rank_color(rank), label=f"rank {rank}")
-    axes[-1].legend(loc="upper right", fontsize=8, frameon=True)
+    axes[-1].legend(loc="upper right", fontsize=LEGEND_PT, frameon=True)
     return fig
 
 
 def ring_steps(run, prefix: str = "cp/ring/forward", title: str = ""):
     """The ring as it ran, step by step: one lane per rank, one box per step holding the key/value
     block the rank computed with (coloured by the rank it came from, found by following the recorded
-    sends back to step 0, with its compute time), and an arrow for each block sent (with its bytes).
+    sends back to step 0, with its compute time), and an arrow for each block sent (the bytes of each
+    step's blocks written above the lanes, off the arrows).
 
     prefix: draw the events whose label starts with it (the ring's label and the pass, as
     ``minitp.cp.ring_attention`` named them). Each event's step is its ``Event.ring_step``."""
@@ -84,20 +86,27 @@ def ring_steps(run, prefix: str = "cp/ring/forward", title: str = ""):
     lane = {r: len(ranks) - 1 - i for i, r in enumerate(ranks)}
     for (r, s), seconds in computes.items():
         src = origin.get((r, s))
+        face = style.rank_color(src if src is not None else r)
         ax.add_patch(FancyBboxPatch(
             (s - 0.32, lane[r] - 0.28), 0.64, 0.56, boxstyle="round,pad=0.02", gid=f"step:{r}:{s}",
-            facecolor=style.rank_color(src if src is not None else r), alpha=0.85, edgecolor="none"))
+            facecolor=face, alpha=0.85, edgecolor="none"))
         what = f"K,V of {src}" if src is not None else "K,V"
-        ax.text(s, lane[r] + 0.07, what, ha="center", va="center", fontsize=8, color="white", weight="bold")
-        ax.text(s, lane[r] - 0.15, f"{seconds * 1e3:.1f} ms", ha="center", va="center", fontsize=7, color="white")
+        ink = style.text_on(face)
+        ax.text(s, lane[r] + 0.08, what, ha="center", va="center", fontsize=9, color=ink, weight="bold")
+        ax.text(s, lane[r] - 0.14, f"{seconds * 1e3:.1f} ms", ha="center", va="center", fontsize=TEXT_PT, color=ink)
+    sent_at: dict[int, set[int]] = {}
     for (r, s), e in sends.items():
         if e.peer in lane and s + 1 < steps:  # a block sent on to the next step (not the gradients' last hop)
             ax.annotate("", xy=(s + 1 - 0.33, lane[e.peer]), xytext=(s + 0.33, lane[r]),
                         arrowprops=dict(arrowstyle="->", color=style.OP_COLORS["send"], lw=1.3), gid=f"send:{r}:{s}")
-            ax.text(s + 0.5, (lane[r] + lane[e.peer]) / 2 + 0.12, format_bytes(e.bytes), fontsize=7,
-                    ha="center", color=style.OP_COLORS["send"])
+            sent_at.setdefault(s, set()).add(e.bytes)
+    ink = style.readable(style.OP_COLORS["send"])
+    for s, sizes in sent_at.items():  # the bytes of each step's blocks, above the arrows, off them
+        words = "sent " + format_bytes(min(sizes)) + ("" if len(sizes) == 1 else f" to {format_bytes(max(sizes))}")
+        ax.text(s + 0.5, len(ranks) - 0.45, words, ha="center", va="bottom", fontsize=TEXT_PT, color=ink,
+                gid=f"bytes:{s}")
     ax.set_xlim(-0.6, steps - 0.4)
-    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    ax.set_ylim(-0.6, len(ranks) - 0.4 + (0.35 if sent_at else 0))  # room above the lanes for the bytes
     ax.set_xticks(range(steps), [f"step {s}" for s in range(steps)])
     ax.set_yticks([lane[r] for r in ranks], [f"rank {r}" for r in ranks])
     ax.set_title(title or "the ring: each step computes with the block held while it travels on", fontsize=10)
@@ -118,7 +127,7 @@ def rank_times(times: dict[str, list[float]], title: str = "attention compute ti
     ax.set_xticks(range(len(names)), [f"{name}\nmax/min = {max(times[name]) / min(times[name]):.2f}"
                                       for name in names])
     ax.set_ylabel("ms")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=LEGEND_PT)
     ax.set_title(title, fontsize=10)
     return fig
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from minitp.cost.experts import tokens_between_ranks
 from minitp.viz.format import format_bytes
-from minitp.viz.style import figure, rank_color
+from minitp.viz.style import LEGEND_PT, TEXT_PT, figure, rank_color
 
 
 def expert_load(routed: list[int], kept: list[int] | None = None, *, ep: int = 1, capacity: int | None = None,
@@ -36,7 +36,7 @@ def expert_load(routed: list[int], kept: list[int] | None = None, *, ep: int = 1
     ax.set_ylabel("token assignments")
     top = max(max(routed, default=0), capacity or 0)
     ax.set_ylim(0, 1.4 * top if top else 1)
-    ax.legend(fontsize=7, loc="upper center", ncol=3, frameon=False)
+    ax.legend(fontsize=LEGEND_PT, loc="upper center", ncol=3, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     if title:
         ax.set_title(title, fontsize=10)
@@ -61,7 +61,7 @@ def dispatch_matrix(counts: list[list[int]], *, dim: int | None = None, dtype_by
             words = f"{t[i][j]}"
             if dim is not None and i != j:
                 words += "\n" + format_bytes(t[i][j] * dim * dtype_bytes)
-            ax.text(j + 0.5, i + 0.5, words, ha="center", va="center", fontsize=8)
+            ax.text(j + 0.5, i + 0.5, words, ha="center", va="center", fontsize=TEXT_PT)
     ax.set_xlim(0, n)
     ax.set_ylim(n, 0)
     ax.set_xticks([j + 0.5 for j in range(n)], [f"to {j}" for j in range(n)])

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from minitp.trace import Event, totals
 from minitp.viz.format import format_bytes
-from minitp.viz.style import OP_COLORS, figure, rank_color
+from minitp.viz.style import LEGEND_PT, OP_COLORS, TEXT_PT, figure, rank_color, text_fits, text_on
 from minitp.viz.timeline import collect_events
 
 HELD_COLOR = "#CFE3F3"  # the full parameters of a unit exist on this rank
@@ -49,28 +49,28 @@ def shard_map(layouts: list[list[dict]], *, title: str = "", width: float = 8.0)
         name = unit["unit"]
         numel = sum(numel for _, _, numel in unit["params"])
         for i, (param, offset, size) in enumerate(unit["params"]):
-            ax.barh(y + 0.3, size, 0.16, left=offset, color=PARAM_SHADES[i % 2], edgecolor="white",
-                    linewidth=0.3, gid=f"param:{name}:{param}")
+            ax.barh(y + 0.35, size, 0.3, left=offset, color=PARAM_SHADES[i % 2], edgecolor="white",
+                    linewidth=0.3, gid=f"param:{name}:{param}")  # tall enough for a line of text
             label = _short(param)
-            if size / longest * (width - 2.0) * 72 > 4.0 * len(label) + 4:
-                ax.text(offset + size / 2, y + 0.3, label, ha="center", va="center", fontsize=5.5)
+            if text_fits(size / longest * (width - 2.0) * 72, label):
+                ax.text(offset + size / 2, y + 0.35, label, ha="center", va="center", fontsize=TEXT_PT)
         for rank in range(n):
             start, end = next(u["shard"] for u in layouts[rank] if u["unit"] == name)
             ax.barh(y - 0.08, end - start, 0.5, left=start, color=rank_color(rank), alpha=0.85,
                     edgecolor="white", linewidth=0.8, gid=f"shard:{name}:{rank}")
-            if (end - start) / longest * (width - 2.0) * 72 > 30:
-                ax.text((start + end) / 2, y - 0.08, f"rank {rank}", ha="center", va="center", fontsize=7,
-                        color="white")
+            if text_fits((end - start) / longest * (width - 2.0) * 72, f"rank {rank}"):
+                ax.text((start + end) / 2, y - 0.08, f"rank {rank}", ha="center", va="center", fontsize=TEXT_PT,
+                        color=text_on(rank_color(rank)))
         pad = unit["padded"] - numel
         if pad:
             shown = max(pad, 0.006 * longest)
             ax.barh(y - 0.08, shown, 0.5, left=numel, color="none", edgecolor=PAD_COLOR, hatch="////",
                     linewidth=0.8, gid=f"pad:{name}")
-            ax.text(numel + shown, y - 0.08, f" +{pad} padding", ha="left", va="center", fontsize=7,
+            ax.text(numel + shown, y - 0.08, f" +{pad} padding", ha="left", va="center", fontsize=TEXT_PT,
                     color=PAD_COLOR)
-    ax.set_yticks(range(len(units)), [f"{u['unit']}\n{u['padded']:,}" for u in reversed(units)], fontsize=8)
+    ax.set_yticks(range(len(units)), [f"{u['unit']}\n{u['padded']:,}" for u in reversed(units)], fontsize=TEXT_PT)
     ax.set_xlim(0, longest * 1.12)
-    ax.set_ylim(-0.55, len(units) - 0.35)
+    ax.set_ylim(-0.55, len(units) - 0.4)
     ax.set_xlabel("position in the unit's flat buffer (elements)")
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_title(title or f"each unit's flat buffer, cut into {n} equal shards", fontsize=10)
@@ -142,7 +142,7 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
                Patch(color=OP_COLORS["reduce_scatter"], label="reduce-scatter"),
                Patch(color=HELD_COLOR, label="full parameters held"),
                Line2D([], [], marker="v", color="#444444", linestyle="none", markersize=4, label="freed")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(title or f"rank {rank}: gather, compute, free, unit by unit", fontsize=10)
     return fig
 
@@ -185,7 +185,7 @@ def bytes_by_stage(sent: dict[str, dict[str, float]], expected: dict[str, float]
             ax.plot([expected[name] / scale] * 2, [y - 0.38, y + 0.38], color="black", linewidth=1.5,
                     gid=f"formula:{name}")
         ratio = left * scale / base if base else float("nan")
-        ax.text(left, y, f"  {format_bytes(left * scale)}  ({ratio:.2f}x {baseline})", va="center", fontsize=7)
+        ax.text(left, y, f"  {format_bytes(left * scale)}  ({ratio:.2f}x {baseline})", va="center", fontsize=TEXT_PT)
     ax.set_yticks(range(len(names)), list(reversed(names)))
     ax.set_xlim(0, largest / scale * 1.5)
     ax.set_xlabel(f"bytes one rank sent ({unit})")
@@ -196,7 +196,7 @@ def bytes_by_stage(sent: dict[str, dict[str, float]], expected: dict[str, float]
     handles = [Patch(color=c, label=op.replace("_", "-")) for op, c in seen.items()]
     if expected:
         handles.append(Line2D([], [], color="black", linewidth=1.5, label="formula"))
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig

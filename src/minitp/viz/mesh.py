@@ -25,7 +25,7 @@ from __future__ import annotations
 from minitp import layout
 from minitp.trace import Event
 from minitp.viz.format import byte_scale, format_bytes
-from minitp.viz.style import RANK_COLORS, figure, rank_color
+from minitp.viz.style import LEGEND_PT, RANK_COLORS, TEXT_PT, figure, rank_color, text_on
 from minitp.viz.timeline import collect_events
 from minitp.viz.tp import locate, whole
 
@@ -90,7 +90,7 @@ def mesh_cube(per_rank: list[dict], *, title: str = "", width: float = 9.0):
                 x, y = _position(coords[m], sizes)
                 ax.scatter([x], [y], s=260, color=color, edgecolor="black", linewidth=0.6, zorder=3,
                            gid=f"rank:{dim}:{m}")
-                ax.text(x, y, str(m), ha="center", va="center", fontsize=8, color="white", weight="bold",
+                ax.text(x, y, str(m), ha="center", va="center", fontsize=TEXT_PT, color=text_on(color), weight="bold",
                         zorder=4)
         listed = "  ".join("{" + ",".join(map(str, g)) + "}" for g in groups)
         ax.set_title(f"{dim} groups ({names[dim]})\n{listed}", fontsize=8.5)
@@ -100,7 +100,7 @@ def mesh_cube(per_rank: list[dict], *, title: str = "", width: float = 9.0):
         ax.set_yticks([])
         for side in ax.spines.values():
             side.set_visible(False)
-    fig.supxlabel("tp → right     pp ↑ up     dp ↗ into the page", fontsize=8, color="#555555")
+    fig.supxlabel("tp → right     pp ↑ up     dp ↗ into the page", fontsize=TEXT_PT, color="#555555")
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
@@ -150,16 +150,16 @@ def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | 
             text = ("?" if bad else "") + "ranks\n" + ", ".join(map(str, ranks))
             if kind == "replicated":
                 text = "every tp rank:\n" + ", ".join(map(str, ranks))
-            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=7,
-                    color="black" if bad else "white", weight="bold")
+            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=TEXT_PT,
+                    color="black" if bad else text_on(rank_color(tp_rank)), weight="bold")
         stage = holders[0]["coords"][1]
         how = {None: "replicated over tp", 0: "columns split over tp", 1: "rows split over tp"}[dim]
-        ax.set_title(f"{label}  ({rows}×{cols})\nstage {stage}, {how}", fontsize=8)
+        ax.set_title(f"{label}  ({rows}×{cols})\nstage {stage}, {how}", fontsize=TEXT_PT)
         ax.set_xlim(0, cols)
         ax.set_ylim(rows, 0)
         ax.set_xticks([0, cols])
         ax.set_yticks([0, rows])
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=TEXT_PT)
         ax.set_aspect("auto")
     if title:
         fig.suptitle(title, fontsize=10)
@@ -198,17 +198,18 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
                 ax.broken_barh([((e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 3e-3))],
                                (y - 0.4 * pitch, 0.8 * pitch), facecolors=_dim_color(dim), edgecolor="black",
                                linewidth=0.2, gid=f"msg:{rank}:{dim}:{k}")
-        sent = {d: sum(e.sent_bytes for e in mine if e.dim == d) for d in dims}
-        words = "  ".join(f"{d} {format_bytes(sent[d])}" for d in dims)
-        ax.text(span_ms * 1.02, base, words, ha="left", va="center", fontsize=7)
+        for row, dim in enumerate(dims):  # the bytes sent in each dimension, at the end of its row
+            sent = sum(e.sent_bytes for e in mine if e.dim == dim)
+            ax.text(span_ms * 1.02, base + 0.28 - row * pitch, f"{dim} {format_bytes(sent)}", ha="left",
+                    va="center", fontsize=TEXT_PT, gid=f"sent:{rank}:{dim}")
     ax.set_yticks(range(len(lanes)), [f"rank {r}" for r in reversed(lanes)])
     ax.set_ylim(-0.55, len(lanes) - 0.45)
-    ax.set_xlim(0, span_ms * 1.32)
+    ax.set_xlim(0, span_ms * 1.22)
     ax.set_xlabel("time (ms)")
     ax.spines[["top", "right"]].set_visible(False)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=_dim_color(d), label=d) for d in dims], fontsize=7, ncol=len(dims),
+    ax.legend(handles=[Patch(color=_dim_color(d), label=d) for d in dims], fontsize=LEGEND_PT, ncol=len(dims),
               loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10, loc="right")
@@ -233,6 +234,7 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     ax = fig.add_subplot()
     pairs = [("traced", traced, 0.0)] if expected is None else [("traced", traced, -0.2), ("expected", expected, 0.2)]
     bar_w = 0.7 if expected is None else 0.38
+    tops: dict[str, list[float]] = {"traced": [], "expected": []}
     for which, entries, shift in pairs:
         for i, b in enumerate(entries):
             bottom = 0.0
@@ -242,8 +244,15 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
                        alpha=1.0 if which == "traced" else 0.45, hatch=None if which == "traced" else "//",
                        edgecolor="white" if which == "traced" else _dim_color(d), linewidth=0.5)
                 bottom += value
-            ax.text(i + shift, bottom, f"{bottom:.3g}", ha="center", va="bottom", fontsize=6.5)
-    ax.set_xticks(range(len(traced)), names, fontsize=8)
+            tops[which].append(bottom)
+    for i, top in enumerate(tops["traced"]):  # the total over each bar; one over the pair where they agree
+        other = tops["expected"][i] if tops["expected"] else None
+        if other is None or f"{other:.3g}" == f"{top:.3g}":
+            ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+        else:
+            for shift, value in ((-0.2, top), (0.2, other)):
+                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+    ax.set_xticks(range(len(traced)), names, fontsize=TEXT_PT)
     ax.set_ylabel(f"sent ({unit})")
     ax.set_ylim(0, max(totals) / scale * 1.15)
     ax.spines[["top", "right"]].set_visible(False)
@@ -251,9 +260,10 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
 
     handles = [Patch(color=_dim_color(d), label=d) for d in dims]
     if expected is not None:
-        handles += [Patch(facecolor="#888888", label="traced"),
-                    Patch(facecolor="white", edgecolor="#888888", hatch="//", label="formula")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        first = _dim_color(dims[0])  # swatches in a colour the bars have, solid and hatched
+        handles += [Patch(facecolor=first, edgecolor="white", label="traced (solid)"),
+                    Patch(facecolor=first, alpha=0.45, edgecolor=first, hatch="//", label="formula (hatched)")]
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig

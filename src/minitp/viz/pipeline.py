@@ -17,6 +17,7 @@ action, ``pp.simulate`` gives the same shape) or from a ``minitp.runs.run_pp`` r
 from __future__ import annotations
 
 from minitp.viz import style
+from minitp.viz.style import LEGEND_PT, TEXT_PT
 
 KIND_COLORS = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}  # forward light blue, backward orange, weight green
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
@@ -96,11 +97,12 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
         ax.broken_barh([(x, w)], (0, 1), facecolors=style.rank_color(rank), edgecolor="white", linewidth=1.5,
                        gid=f"piece:{rank}:{piece}")
         label = piece.replace("layers.", "block ")
-        if w * points > 5.0 * len(label) + 4:  # room inside: name and parameter count
-            ax.text(x + w / 2, 0.62, label, ha="center", va="center", fontsize=7.5, color="white")
-            ax.text(x + w / 2, 0.32, f"{count:,}", ha="center", va="center", fontsize=6.5, color="white")
+        ink = style.text_on(style.rank_color(rank))
+        if style.text_fits(w * points, label, 9.0):  # room inside: name and parameter count
+            ax.text(x + w / 2, 0.62, label, ha="center", va="center", fontsize=9.0, color=ink)
+            ax.text(x + w / 2, 0.32, f"{count:,}", ha="center", va="center", fontsize=TEXT_PT, color=ink)
         else:  # a thin piece (the embedding, the output layer of a small vocabulary): named above it
-            ax.annotate(f"{label} ({count:,})", (x + w / 2, 1.0), xytext=(x + w / 2, 1.22), fontsize=6.5,
+            ax.annotate(f"{label} ({count:,})", (x + w / 2, 1.0), xytext=(x + w / 2, 1.22), fontsize=TEXT_PT,
                         ha="left" if x < 0.5 else "right", va="center",
                         arrowprops={"arrowstyle": "-", "color": "#666666", "linewidth": 0.6})
         x += w
@@ -113,7 +115,7 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
         ax.plot([start + 0.004, start + span - 0.004], [-0.12, -0.12], color=style.rank_color(rank), linewidth=3,
                 solid_capstyle="butt", gid=f"rank:{rank}")
         params = sum(pieces[p][1] for p in mine)
-        ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center", va="center", fontsize=8)
+        ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center", va="center", fontsize=TEXT_PT)
     ax.set_xlim(0, 1)
     ax.set_ylim(-0.5, 1.35)
     ax.axis("off")
@@ -152,6 +154,7 @@ def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55
         fig = ax.figure
         width = ax.get_position().width * fig.get_figwidth() + 1.3
     points_per_unit = (width - 1.3) * 72 / max(span, 1e-9)
+    names: dict[str, list] = {}  # kind -> where its names go: every action of a kind named, or none
     for rank, lane in enumerate(lanes):
         y = p - 1 - rank
         for (kind, mb, s, e), chunk in zip(lane, chunks[rank]):
@@ -159,8 +162,12 @@ def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55
             name = f"{kind}{mb}" + (f"c{chunk}" if chunk else "")
             ax.broken_barh([(x, w)], (y - 0.38, 0.76), facecolors=KIND_COLORS[kind], edgecolor="black",
                            linewidth=0.4, hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)], gid=f"action:{rank}:{name}")
-            if text and w * points_per_unit > 4.5 * len(name) + 2:
-                ax.text(x + w / 2, y, name, ha="center", va="center", fontsize=6.5, clip_on=True)
+            names.setdefault(kind, []).append((x + w / 2, y, w * points_per_unit, name))
+    for kind, spots in names.items():
+        if text and all(style.text_fits(width_pt, name) for _, _, width_pt, name in spots):
+            for x, y, _, name in spots:
+                ax.text(x, y, name, ha="center", va="center", fontsize=TEXT_PT, color=style.text_on(KIND_COLORS[kind]),
+                        clip_on=True)
     if messages and not interleaved:
         at = {(rank, kind, mb): (s, e) for rank, lane in enumerate(lanes) for kind, mb, s, e in lane}
         for (rank, kind, mb), (_, end) in at.items():
@@ -180,7 +187,8 @@ def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55
     ax.set_xlabel("time (ms)" if unit == "ms" else "time (slots of one forward)")
     ax.spines[["top", "right"]].set_visible(False)
     if legend:
-        ax.legend(handles=_legend(lanes, chunks, messages), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+        ax.legend(handles=_legend(lanes, chunks, messages), fontsize=LEGEND_PT, loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0),
                   frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
@@ -238,7 +246,7 @@ def gantt_grid(runs: dict, formulas: dict[str, float] | None = None, *, title: s
         ax.set_xlim(0, right)  # one time axis for all: the longest step
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.legend(handles=_legend(everything, chunks, False), fontsize=7, loc="outside lower center", ncol=6,
+    fig.legend(handles=_legend(everything, chunks, False), fontsize=LEGEND_PT, loc="outside lower center", ncol=6,
                frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
@@ -269,7 +277,7 @@ def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("idle share of the step")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7, frameon=False)
+    ax.legend(fontsize=LEGEND_PT, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     if title:
         ax.set_title(title, fontsize=10)
@@ -317,7 +325,7 @@ def in_flight(runs: dict[str, list], *, title: str = "", width: float = 8.0):
                     label=f"rank {rank} (peak {max(ys)})", gid=f"held:{name}:{rank}")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("time (ms)")
-        ax.legend(fontsize=6.5, frameon=False, loc="upper right")
+        ax.legend(fontsize=LEGEND_PT, frameon=False, loc="upper right")
         ax.spines[["top", "right"]].set_visible(False)
     axes[0].set_ylabel("micro-batches held")
     axes[0].set_ylim(0, top + 0.8)

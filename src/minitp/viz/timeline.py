@@ -3,7 +3,8 @@
 Three figures, each drawn from data a run returned (they never run anything):
 
 * ``timeline``: one lane per rank; in each lane a row of compute spans (grey) under a row of
-  messages (coloured by collective), every message labelled with its label and its bytes. Works
+  messages (coloured by collective), every message labelled with its label and its bytes where every
+  message of its collective has room for it (a shorter text, or none, otherwise: never some). Works
   for any strategy's trace: messages that overlap in time (asynchronous buckets, prefetches) are
   stacked in sub-rows, and a compute span that contains other spans (a whole ``backward`` around
   per-block spans) is drawn as a thin bar beneath them.
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from minitp.trace import Event, Trace
 from minitp.viz import style
 from minitp.viz.format import byte_scale, format_bytes  # noqa: F401  (format_bytes: notebooks import it from here)
+from minitp.viz.style import LEGEND_PT, TEXT_PT
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
 COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
@@ -94,9 +96,13 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
         lane_height = min(0.75 + 0.08 * (n_rows - 1), 1.3)
     fig = style.figure(width, 0.6 + lane_height * len(lanes))
     ax = fig.add_subplot()
-    points_per_ms = (width - 1.2) * 72 / span_ms  # rough: the axes take most of the width
+    points_per_ms = (width - 2.0) * 72 / span_ms  # rough: the axes take the width left of the legend
     row_points = 0.46 / n_rows * lane_height * 72  # height of one message row
     ops_seen: dict[str, str] = {}
+    # labels are drawn all or none per kind: every message of one collective named, or none of them (shorter
+    # texts first: the label without its bytes, then its last part); every span of one name on every rank, or none
+    comm_labels: dict[str, list] = {}
+    compute_labels: dict[str, list] = {}
     for i, rank in enumerate(lanes):
         base = len(lanes) - 1 - i  # rank 0 on top
         compute = [e for e in events if e.kind == "compute" and e.rank == rank]
@@ -112,9 +118,9 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
             x, w = (e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 1e-3)
             ax.broken_barh([(x, w)], (y, h), facecolors=color, edgecolor="white", linewidth=0.4,
                            gid=f"compute:{rank}:{e.op}:{shown(e.label)}")
-            name = shown(e.label) if e.label else e.op
-            if text and not is_phase and w * points_per_ms > 4.3 * len(name) + 4:
-                ax.text(x + w / 2, y + h / 2, name, ha="center", va="center", fontsize=6.5, clip_on=True)
+            if not is_phase:
+                name = shown(e.label) if e.label else e.op
+                compute_labels.setdefault(name, []).append((x + w / 2, y + h / 2, w * points_per_ms, color))
         h = 0.46 / n_rows
         for e in (e for e in comm if e.rank == rank):
             y = base + 0.02 + rows[rank][id(e)] * h
@@ -123,10 +129,28 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
             x, w = (e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 2e-3)
             ax.broken_barh([(x, w)], (y, h * 0.9), facecolors=color, edgecolor="black", linewidth=0.3,
                            gid=f"comm:{rank}:{e.op}:{shown(e.label)}")
-            words = f"{shown(e.label)}  {format_bytes(e.bytes)}"
-            if text and row_points >= 7 and w * points_per_ms > 4.0 * len(words) + 4:
-                ax.text(x + 2 * span_ms / 1000, y + h * 0.45, words, ha="left", va="center",
-                        fontsize=6.5, color="white", clip_on=True)
+            words = shown(e.label)  # cosmetic: the texts to try, longest first; nothing is read from them
+            comm_labels.setdefault(e.op, []).append(
+                (x + 2 * span_ms / 1000, y + h * 0.45, w * points_per_ms, color,
+                 [f"{words}  {format_bytes(e.bytes)}", words, words.rpartition("/")[2]]))
+
+    unlabelled = False
+    if text:
+        for name, spots in compute_labels.items():
+            if all(style.text_fits(width_pt, name) for _, _, width_pt, _ in spots):
+                for x, y, _, color in spots:
+                    ax.text(x, y, name, ha="center", va="center", fontsize=TEXT_PT, color=style.text_on(color),
+                            clip_on=True)
+        tall = row_points >= TEXT_PT + 1.5  # a message row holds a line of text
+        for spots in comm_labels.values():
+            for choice in range(3):
+                if tall and all(style.text_fits(width_pt, words[choice]) for _, _, width_pt, _, words in spots):
+                    for x, y, _, color, words in spots:
+                        ax.text(x, y, words[choice], ha="left", va="center", fontsize=TEXT_PT,
+                                color=style.text_on(color), clip_on=True)
+                    break
+            else:
+                unlabelled = True
 
     ax.set_yticks(range(len(lanes)), [f"rank {r}" for r in reversed(lanes)])
     ax.set_ylim(-0.55, len(lanes) - 0.45)
@@ -136,7 +160,9 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=op.replace("_", "-")) for op, c in ops_seen.items()]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if unlabelled:  # some messages too short to name: none of their kind is named, and the legend says so
+        handles.append(Patch(color="none", label="(messages too\nshort to label)"))
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig
@@ -166,6 +192,7 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     ax = fig.add_subplot()
     pairs = [("held", memory, 0.0)] if expected is None else [("held", memory, -0.2), ("expected", expected, 0.2)]
     bar_w = 0.7 if expected is None else 0.38
+    tops: dict[str, list[float]] = {"held": [], "expected": []}
     for which, entries, shift in pairs:
         for i, m in enumerate(entries):
             bottom = 0.0
@@ -175,11 +202,18 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
                        alpha=1.0 if which == "held" else 0.45, hatch=None if which == "held" else "//",
                        edgecolor="white" if which == "held" else color, linewidth=0.5)
                 bottom += value
-            ax.text(i + shift, bottom, f"{bottom:.3g}", ha="center", va="bottom", fontsize=7)
+            tops[which].append(bottom)
+    for i, top in enumerate(tops["held"]):  # the total over each bar; one over the pair where they agree
+        other = tops["expected"][i] if tops["expected"] else None
+        if other is None or f"{other:.3g}" == f"{top:.3g}":
+            ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+        else:
+            for shift, value in ((-0.2, top), (0.2, other)):
+                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
     if limit is not None:
         ax.axhline(limit / scale, color="#D55E00", linestyle="--", linewidth=1, gid="limit")
         if limit_label:
-            ax.text(len(memory) - 0.5, limit / scale, limit_label, ha="right", va="bottom", fontsize=8,
+            ax.text(len(memory) - 0.5, limit / scale, limit_label, ha="right", va="bottom", fontsize=TEXT_PT,
                     color="#D55E00")
     ax.set_xticks(range(len(memory)), names)
     ax.set_ylabel(f"held ({unit})")
@@ -188,10 +222,11 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=k) for k, c in KIND_COLORS.items()]
-    if expected is not None:
-        handles += [Patch(facecolor="#888888", label="measured"),
-                    Patch(facecolor="white", edgecolor="#888888", hatch="//", label="formula")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if expected is not None:  # swatches in a colour the bars have: the first kind's, solid and hatched
+        first = next(iter(KIND_COLORS.values()))
+        handles += [Patch(facecolor=first, edgecolor="white", label="measured (solid)"),
+                    Patch(facecolor=first, alpha=0.45, edgecolor=first, hatch="//", label="formula (hatched)")]
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig
@@ -231,7 +266,7 @@ def loss_curve(run, reference: list[float] | None = None, *, title: str = "", wi
             a.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.legend(fontsize=7, frameon=False)
+    ax.legend(fontsize=LEGEND_PT, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     if ax_diff is not None:
         ax_diff.set_yscale("log")

@@ -21,7 +21,7 @@ import torch
 
 from minitp.trace import Event, Trace
 from minitp.viz.format import format_bytes
-from minitp.viz.style import OP_COLORS, figure, rank_color
+from minitp.viz.style import OP_COLORS, TEXT_PT, figure, rank_color
 
 REPLICATED_COLOR = "#DDDDDD"
 
@@ -106,7 +106,7 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
         for r in range(n):  # a thin stripe per rank along the top: every rank holds all of it
             ax.add_patch(Rectangle((r * cols / n, -0.09 * rows), cols / n, 0.07 * rows,
                                    facecolor=rank_color(r), edgecolor="none", clip_on=False))
-        ax.text(cols / 2, rows / 2, f"the same on\nall {n} ranks", ha="center", va="center", fontsize=7)
+        ax.text(cols / 2, rows / 2, f"the same on\nall {n} ranks", ha="center", va="center", fontsize=TEXT_PT)
     elif kinds == {"partial"}:
         step = 0.06
         for r in reversed(range(n)):  # a stack of cards: one full-size partial sum per rank
@@ -114,7 +114,7 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
             ax.add_patch(Rectangle((off, off), cols, rows, facecolor=_lighten(rank_color(r), 0.45),
                                    edgecolor=rank_color(r), linewidth=1.0, gid=f"block:{name}:{r}:partial"))
         ax.text(cols / 2, rows / 2, f"{n} partial sums\n(add them: all-reduce)", ha="center", va="center",
-                fontsize=7)
+                fontsize=TEXT_PT)
     else:
         for r, p in enumerate(placements):
             if p.kind != "slice":
@@ -122,7 +122,7 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
             x, y, w, h = (p.start, 0, p.stop - p.start, rows) if p.dim == 1 else (0, p.start, cols, p.stop - p.start)
             ax.add_patch(Rectangle((x, y), w, h, facecolor=_lighten(rank_color(r), 0.25), edgecolor="black",
                                    linewidth=0.6, gid=f"block:{name}:{r}:slice"))
-            ax.text(x + w / 2, y + h / 2, f"r{r}", ha="center", va="center", fontsize=7, zorder=4,
+            ax.text(x + w / 2, y + h / 2, f"r{r}", ha="center", va="center", fontsize=TEXT_PT, zorder=4,
                     bbox={"facecolor": _lighten(rank_color(r), 0.25), "edgecolor": "none", "pad": 0.6})
         if "unknown" in kinds:
             ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, edgecolor="#D55E00", linewidth=1.5,
@@ -135,9 +135,9 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
     ax.set_yticks([])
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_title(f"{name}  ({rows}×{cols})", fontsize=8)
-    ax.set_xlabel(axis_names[1], fontsize=7)
-    ax.set_ylabel(axis_names[0], fontsize=7)
+    ax.set_title(f"{name}  ({rows}×{cols})", fontsize=TEXT_PT)
+    ax.set_xlabel(axis_names[1], fontsize=TEXT_PT)
+    ax.set_ylabel(axis_names[0], fontsize=TEXT_PT)
     return placements
 
 
@@ -185,9 +185,9 @@ def _mark_heads(ax, panel: str, shape: tuple[int, int], placements: list[Placeme
         ax.plot(xs, ys, color="black", linewidth=0.6, linestyle="-" if solid else (0, (1, 1.5)),
                 gid=f"head:{panel}:{i}")
     axis = ax.xaxis if dim == 1 else ax.yaxis
-    axis.set_ticks([step * (i + 0.5) for i in range(len(heads))], heads, fontsize=6.5)
+    axis.set_ticks([step * (i + 0.5) for i in range(len(heads))], heads, fontsize=TEXT_PT)
     if groups:
-        axis.set_ticks([step * per_group * (g + 0.5) for g in range(len(groups))], groups, minor=True, fontsize=6.5)
+        axis.set_ticks([step * per_group * (g + 0.5) for g in range(len(groups))], groups, minor=True, fontsize=TEXT_PT)
     ax.tick_params(which="major", length=0, pad=1.5)
     ax.tick_params(which="minor", length=0, pad=10)
 
@@ -263,18 +263,18 @@ def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
     rows = {"forward": [e for e in events if phase_of(e) == "forward"],
             "backward": [e for e in events if phase_of(e) == "backward"]}
     slots = max(1, *(len(v) for v in rows.values()))
-    fig = figure(width, 1.9)
+    fig = figure(width, 2.8)  # room for four lines of text in a box
     ax = fig.add_subplot()
     for y, (phase, evs) in enumerate(rows.items()):
         if not evs:
-            ax.text(0.1, y, "no message", va="center", fontsize=8, color="#777777", gid=f"msg:{phase}:none")
+            ax.text(0.1, y, "no message", va="center", fontsize=TEXT_PT, color="#777777", gid=f"msg:{phase}:none")
         for i, e in enumerate(evs):
             color = OP_COLORS.get(e.op, "#444444")
             ax.add_patch(FancyBboxPatch((i + 0.05, y - 0.32), 0.9, 0.64, boxstyle="round,pad=0.02",
                                         facecolor=_lighten(color, 0.35), edgecolor=color,
                                         gid=f"msg:{phase}:{i}:{e.op}"))
             ax.text(i + 0.5, y, f"{e.op.replace('_', '-')}\n{_box_text(e, label_prefix)}\n{format_bytes(e.bytes)}",
-                    ha="center", va="center", fontsize=6.5)
+                    ha="center", va="center", fontsize=TEXT_PT)
     ax.set_xlim(0, max(slots, 4))  # narrow boxes even for one message
     ax.set_ylim(1.5, -0.5)
     ax.set_yticks([0, 1], ["forward", "backward"])
