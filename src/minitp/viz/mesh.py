@@ -25,7 +25,7 @@ from __future__ import annotations
 from minitp import layout
 from minitp.trace import Event
 from minitp.viz.format import byte_scale, format_bytes
-from minitp.viz.style import LEGEND_PT, RANK_COLORS, TEXT_PT, figure, rank_color, text_on
+from minitp.viz.style import LEGEND_PT, RANK_COLORS, TEXT_PT, figure, label_totals, rank_color, text_on
 from minitp.viz.timeline import collect_events
 from minitp.viz.tp import locate, whole
 
@@ -245,13 +245,7 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
                        edgecolor="white" if which == "traced" else _dim_color(d), linewidth=0.5)
                 bottom += value
             tops[which].append(bottom)
-    for i, top in enumerate(tops["traced"]):  # the total over each bar; one over the pair where they agree
-        other = tops["expected"][i] if tops["expected"] else None
-        if other is None or f"{other:.3g}" == f"{top:.3g}":
-            ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
-        else:
-            for shift, value in ((-0.2, top), (0.2, other)):
-                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+    label_totals(ax, tops["traced"], tops["expected"])
     ax.set_xticks(range(len(traced)), names, fontsize=TEXT_PT)
     ax.set_ylabel(f"sent ({unit})")
     ax.set_ylim(0, max(totals) / scale * 1.15)

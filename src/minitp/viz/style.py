@@ -121,6 +121,18 @@ def figure(width: float = 8.0, height: float = 3.0, **kwargs):
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained", **kwargs)
 
 
+def label_totals(ax, measured: list[float], formula: list[float] | None) -> None:
+    """The total over each bar of a (measured, formula) pair at x = 0, 1, ...; one over the pair where
+    the two agree to three digits, else one over each (measured left, formula right)."""
+    for i, top in enumerate(measured):
+        other = formula[i] if formula else None
+        if other is None or f"{other:.3g}" == f"{top:.3g}":
+            ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+        else:
+            for shift, value in ((-0.2, top), (0.2, other)):
+                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+
+
 __all__ = ["RANK_COLORS", "OP_COLORS", "DPI", "MIN_TEXT_PX", "COLUMN_PX", "TEXT_PT", "LEGEND_PT",
            "rank_color", "rank_text_color", "readable", "text_on", "luminance", "text_fits", "text_sizes_px",
-           "figure"]
+           "label_totals", "figure"]

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from minitp.trace import Event, Trace
 from minitp.viz import style
 from minitp.viz.format import byte_scale, format_bytes  # noqa: F401  (format_bytes: notebooks import it from here)
-from minitp.viz.style import LEGEND_PT, TEXT_PT
+from minitp.viz.style import LEGEND_PT, TEXT_PT, label_totals
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
 COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
@@ -203,13 +203,7 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
                        edgecolor="white" if which == "held" else color, linewidth=0.5)
                 bottom += value
             tops[which].append(bottom)
-    for i, top in enumerate(tops["held"]):  # the total over each bar; one over the pair where they agree
-        other = tops["expected"][i] if tops["expected"] else None
-        if other is None or f"{other:.3g}" == f"{top:.3g}":
-            ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
-        else:
-            for shift, value in ((-0.2, top), (0.2, other)):
-                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+    label_totals(ax, tops["held"], tops["expected"])
     if limit is not None:
         ax.axhline(limit / scale, color="#D55E00", linestyle="--", linewidth=1, gid="limit")
         if limit_label:
