@@ -16,7 +16,8 @@ help:
 	@echo "make student    learner copies of the notebooks (no solutions) into student/; keeps copies you changed"
 	@echo "                (make student FRESH=1 overwrites them)"
 	@echo "make notebooks  re-execute every notebook in place (stored outputs)"
-	@echo "make browser-check  build the site, open every chapter in headless Chromium, screenshots in build/"
+	@echo "make browser-check  build the site, open every chapter in headless Chromium, then learner copies"
+	@echo "                    of 03 and 05 in JupyterLab; screenshots in build/screenshots"
 	@echo "make bench      minitp against PyTorch's own implementations (not in CI)"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -43,15 +44,14 @@ test-fast: $(STAMP)
 # control runs only the setting it shows (no website grid, which make notebooks stores). Root (Docker, cloud
 # notebooks) needs --allow-root. No news: JupyterLab 4 asks on first start whether to fetch Jupyter's news
 # feed unless its notification setting fetchNews has a value; an overrides.d file in .venv gives it "false"
-# (a default: Settings > Notifications can still turn it on), and news_url=None keeps the server from fetching.
+# (tools/lab-overrides.json, a default: Settings > Notifications can still turn it on), and news_url=None keeps the server from fetching.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d
 
 lab: $(STAMP)
 	$(BIN)/python -m minitp.exercises.student notebooks student --keep-changed
 	mkdir -p $(LAB_OVERRIDES)
-	echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
-	  > $(LAB_OVERRIDES)/minitp.json
+	cp tools/lab-overrides.json $(LAB_OVERRIDES)/minitp.json
 	MINITP_PROGRESS=1 MINITP_LIVE=1 $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/student \
 	  --LabApp.news_url=None $(ALLOW_ROOT)
 
@@ -60,6 +60,7 @@ site: $(STAMP)
 
 browser-check: site
 	$(BIN)/python tools/browser_check.py site --screenshots build/screenshots --notebooks notebooks
+	$(BIN)/python tools/lab_check.py --screenshots build/screenshots
 
 student: $(STAMP)
 	$(BIN)/python -m minitp.exercises.student notebooks student $(if $(FRESH),,--keep-changed)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import browser_check  # noqa: E402
+import lab_check  # noqa: E402
 
 pytestmark = pytest.mark.site
 
@@ -434,3 +435,31 @@ def test_chapter_pages_render_in_chromium(real_site, tmp_path):
         print(report.line())
     assert len(reports) == 1 + len(CHAPTERS)
     assert_pages_pass(reports)
+
+
+@pytest.mark.timeout(300)
+def test_learner_copies_open_in_jupyterlab_with_one_line_per_control_saved_and_asking_nothing(tmp_path):
+    """Learner copies of 03 and 05 in a real JupyterLab (``tools/lab_check.py``, ``make lab``'s settings):
+    one stand-in line per live control, no twin, no radio button, the tab not marked changed, no
+    question. The solved chapter 00 given a stale kernel name, opened beside them, fails on each."""
+    from minitp.exercises.student import write_student_copy
+
+    chromium = chromium_or_skip()
+
+    def copy(source: Path, target: Path) -> None:
+        if source.stem != "00_collectives":
+            write_student_copy(source, target)
+            return
+        planted = json.loads(source.read_text(encoding="utf-8"))  # the solved chapter: its twin stays
+        planted["metadata"]["kernelspec"] = {"name": "python3-old", "display_name": "Old", "language": "python"}
+        target.write_text(json.dumps(planted), encoding="utf-8")
+
+    reports = lab_check.check_lab(["03_tensor_parallel", "05_pipeline", "00_collectives"], tmp_path / "shots",
+                                  ROOT / "notebooks", chromium, copy=copy)
+    for report in reports:
+        print(report.line())
+    learner, planted = reports[:2], reports[2]
+    assert_pages_pass(learner)
+    assert all(report.seen["stand_ins"] == 1 and report.screenshot.is_file() for report in learner)
+    wrong = " ".join(planted.problems)
+    assert "0 outputs read" in wrong and "radio buttons" in wrong and "opens marked changed" in wrong, wrong
