@@ -284,3 +284,84 @@ def test_ranks_start_by_spawn_where_torch_sees_a_gpu(monkeypatch):
     assert launcher._default_start_method() == "spawn"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert launcher._default_start_method() == ("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+# -- torch._dynamo (what an optimizer's first step imports): warmed in the parent only when needed --------
+class _Hidden:
+    def step(self, p):  # reached through an object: not followed by uses_optimizer
+        return self.make([p])
+
+    make = staticmethod(lambda params: None)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _trains():
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    _sgd([p]).step()
+
+
+def test_uses_optimizer_follows_globals_closures_partials_and_classes_to_torch_optim():
+    import functools
+
+    from torch.optim import AdamW
+
+    from minitp.launcher.guard import uses_optimizer
+
+    def collectives():
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return comm.all_reduce(t)
+
+    def through_closure():
+        return AdamW
+
+    class Trainer:
+        def fit(self):
+            return _trains()
+
+    assert uses_optimizer(_trains)  # via a module-level helper naming torch.optim
+    assert uses_optimizer(through_closure) and uses_optimizer(Trainer) and uses_optimizer(functools.partial(_trains))
+    assert uses_optimizer(collectives, (torch.ones(1),)) is False
+    assert uses_optimizer(lambda: _Hidden().step(1)) is False  # an object's method is not followed
+    from minitp.measure import calibrate
+    from minitp.runs import data_parallel
+    assert uses_optimizer(data_parallel._ddp_worker) and not uses_optimizer(calibrate._all_reduce_worker)
+
+
+def test_the_parent_imports_torch_dynamo_only_for_a_launch_that_needs_it(tmp_path):
+    """In a fresh process: a launch without an optimizer leaves torch._dynamo unimported; one whose
+    optimizer the code scan cannot see makes its ranks import it, and the parent warms it for the next."""
+    script = tmp_path / "warm.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        import minitp
+        from minitp.launcher import guard
+
+        class Hidden:
+            def step(self):
+                p = torch.nn.Parameter(torch.ones(2))
+                p.grad = torch.ones(2)
+                self.opt([p], lr=0.1).step()
+
+        def hidden():
+            Hidden.opt = getattr(torch, "op" + "tim").SGD  # no name on the way says optim
+            Hidden().step()
+
+        def noop():
+            return 1
+
+        minitp.launch(noop, 2, echo=False, start_method="fork")
+        print("after noop", "torch._dynamo" in sys.modules)
+        minitp.launch(hidden, 2, echo=False, start_method="fork")
+        print("after hidden", "torch._dynamo" in sys.modules, guard._optimizer_seen)
+        minitp.launch(noop, 2, echo=False, start_method="fork")
+        print("after the next", "torch._dynamo" in sys.modules)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["after noop False", "after hidden False True", "after the next True"]

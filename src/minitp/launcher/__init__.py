@@ -140,7 +140,7 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
     method = start_method or _default_start_method()
     ctx = mp.get_context(method)
     if method == "fork":
-        guard.warm_optimizer_imports()
+        guard.warm_optimizer_imports(fn, args)
     payload = cloudpickle.dumps((fn, args))
     guard.remove_stale_workdirs()
     workdir = tempfile.mkdtemp(prefix=f"minitp-{os.getpid()}-")
@@ -204,6 +204,7 @@ def _wait(procs, workdir: str, timeout: float, t0: float, line=None) -> list[dic
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     result = cloudpickle.load(f)
+                guard.note_rank_imports(result.get("imported_dynamo", False))
                 if result["status"] == "ok":
                     results[rank] = result
                 else:
@@ -518,7 +519,7 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
     os.environ.update({guard.WORKER_ENV: str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1", _progress.DIR_ENV: workdir})
     guard.listen_on_loopback()
-    status, value, tb, tr = "ok", None, "", None
+    status, value, tb, tr, imported = "ok", None, "", None, False
     try:
         import torch
         import torch.distributed as dist
@@ -535,14 +536,17 @@ def _worker(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str, 
         store.set_timeout(timedelta(seconds=timeout))
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=nprocs,
                                 timeout=timedelta(seconds=timeout))
+        inherited = "torch._dynamo" in sys.modules
         with _trace.recording(rank) as tr:
             value = fn(*args)
+        imported = not inherited and "torch._dynamo" in sys.modules  # the parent will warm it next time
         open(os.path.join(workdir, f"rank{rank}.returned"), "w").close()  # for a timeout's message
         dist.barrier()  # no rank leaves while another may still be reading from it
         dist.destroy_process_group()
     except BaseException:
         status, tb = "error", traceback.format_exc()
-    result = {"status": status, "value": value, "trace": tr, "traceback": tb, "time": time.time()}
+    result = {"status": status, "value": value, "trace": tr, "traceback": tb, "time": time.time(),
+              "imported_dynamo": imported}
     try:
         data = cloudpickle.dumps(result)
     except Exception:

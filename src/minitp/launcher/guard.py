@@ -10,14 +10,17 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) before a rank tries to join wi
 from __future__ import annotations
 
 import faulthandler
+import functools
 import math
 import os
 import re
 import shutil
 import socket
 import sys
+import sysconfig
 import tempfile
 import threading
+import types
 
 BACKENDS = ("gloo", "nccl")
 # Resident memory of one forked rank that imported torch and joined a gloo group (psutil RSS, torch
@@ -300,11 +303,87 @@ def start_watchdog(timeout: float, who: str, where=None):
     return cancel
 
 
-def warm_optimizer_imports() -> None:
-    """Import what a rank's first optimizer imports (``torch._dynamo``, ~1.5 s of CPU) once in the
-    parent before forking, so that the ranks inherit it instead of each paying it: 8 ranks on 2 cores
-    would otherwise spend seconds importing before their first step."""
-    if "torch._dynamo" not in sys.modules:
+_optimizer_seen = False  # a rank of an earlier launch imported torch._dynamo itself: warm from now on
+
+
+def note_rank_imports(imported_dynamo: bool) -> None:
+    """A rank reports whether it imported ``torch._dynamo`` (its first optimizer step does): the
+    parent warms it before every later launch."""
+    global _optimizer_seen
+    _optimizer_seen = _optimizer_seen or imported_dynamo
+
+
+def uses_optimizer(fn, args: tuple = (), depth: int = 6) -> bool:
+    """Whether ``fn(*args)`` will step a ``torch.optim`` optimizer, as far as its code says: the names
+    its code (and nested code) reads, followed through its globals, closures, modules, classes and
+    partials up to ``depth`` calls away, reach ``torch.optim``. A call through an object's method is
+    not followed; :func:`note_rank_imports` catches what this misses, after one launch."""
+    seen: set[int] = set()
+    todo = [(obj, 0) for obj in (fn, *args)]
+    while todo:
+        obj, level = todo.pop()
+        if id(obj) in seen or level > depth:
+            continue
+        seen.add(id(obj))
+        module = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None) or ""
+        if module.startswith("torch.optim"):
+            return True
+        if isinstance(obj, functools.partial):
+            todo += [(part, level) for part in (obj.func, *obj.args, *obj.keywords.values())]
+            continue
+        if not _readable(module):
+            continue
+        if isinstance(obj, type):
+            todo += [(getattr(v, "__func__", v), level + 1) for v in vars(obj).values() if callable(v)
+                     or isinstance(v, (staticmethod, classmethod))]
+            continue
+        obj = getattr(obj, "__func__", obj)  # a bound method
+        code = getattr(obj, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            continue
+        names, codes = set(), [code]
+        while codes:
+            c = codes.pop()
+            names.update(c.co_names)
+            codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        found = [obj.__globals__[name] for name in names if name in getattr(obj, "__globals__", {})]
+        found += [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
+        for value in found:
+            if isinstance(value, types.ModuleType) and (value.__name__ == "torch" or _readable(value.__name__)):
+                todo += [(getattr(value, name), level + 1) for name in names if name in vars(value)]
+            todo.append((value, level + 1))
+    return False
+
+
+_INSTALLED = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _readable(module: str) -> bool:
+    """Code :func:`uses_optimizer` reads: minitp's, a notebook's or a script's; not torch's, the
+    standard library's or another installed package's."""
+    if module.startswith("minitp") or module in ("__main__", "builtins") or not module:
+        return module != "builtins"
+    path = getattr(sys.modules.get(module), "__file__", None) or ""
+    return bool(path) and not path.startswith(_INSTALLED)
+
+
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty closure cell
+        return False
+    return True
+
+
+def warm_optimizer_imports(fn=None, args: tuple = ()) -> None:
+    """Import what a rank's first optimizer step imports (``torch._dynamo``, ~1.2 s of CPU) once in the
+    parent before forking, so that the ranks inherit it instead of each paying it (8 ranks on 2 cores
+    would otherwise spend seconds importing before their first step): when ``fn`` will use an optimizer
+    (:func:`uses_optimizer`), or when a rank of an earlier launch had to import it. A launch without
+    an optimizer does not pay it."""
+    if "torch._dynamo" in sys.modules:
+        return
+    if fn is None or _optimizer_seen or uses_optimizer(fn, args):
         import importlib
 
         importlib.import_module("torch._dynamo")
