@@ -259,3 +259,142 @@ def test_chapter_06_arithmetic_intensity_and_the_overlap_budget_of_a_70b_block()
     assert sent == pytest.approx(2 * 2 * 7 / 8 * 8192 * 8192 * 2)
     assert round(sent / cost.overlap_budget_bytes(t, cost.H100.intra), 2) == 0.31
     assert round(sent / cost.overlap_budget_bytes(t, cost.H100.inter), 2) == 2.75
+
+
+# -- the hardware sheet: one place for a GPU's figures, and the chapters that quote it -------------------------
+def test_the_hardware_sheet_holds_each_gpus_datasheet_figures_per_direction():
+    for device in cost.DEVICES.values():
+        figures = (device.flops_per_s, device.memory_bytes, device.memory_bytes_per_s, device.intra.bytes_per_s,
+                   device.inter.bytes_per_s, device.intra.alpha_s, device.inter.alpha_s)
+        assert all(f > 0 for f in figures), device.name
+        assert device.memory_bytes == 80 * GIB  # the datasheets' "80GB": five stacks of 16 GiB
+    h100, a100 = cost.DEVICES["h100"], cost.DEVICES["a100"]
+    assert h100 is cost.H100 and a100 is cost.A100
+    assert (h100.flops_per_s, h100.memory_bytes_per_s) == (989e12, 3.35e12)  # dense BF16; HBM3
+    assert (a100.flops_per_s, a100.memory_bytes_per_s) == (312e12, 2.039e12)  # dense BF16; HBM2e
+    # links per direction: NVLink's 900 / 600 GB/s are both ways together; InfiniBand's NICs in bits
+    assert (h100.intra.bytes_per_s, h100.inter.bytes_per_s) == (900e9 / 2, 400e9 / 8) == (450e9, 50e9)
+    assert (a100.intra.bytes_per_s, a100.inter.bytes_per_s) == (600e9 / 2, 200e9 / 8) == (300e9, 25e9)
+    # compute-bound above 295 FLOPs per byte on an H100 (chapter 06's ridge)
+    assert round(h100.flops_per_s / h100.memory_bytes_per_s) == 295
+
+
+def test_the_planner_times_its_layouts_on_the_sheets_h100():
+    row = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
+    assert row["device"] == cost.H100.name
+    assert row["step_s"] == cost.step_time(LLAMA3_70B, 64, 8192, 2, 8, 4, cost.H100, row["microbatches"], "fsdp", 1,
+                                           sequence_parallel=True).step_s
+    slower = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True, device=cost.A100)
+    assert slower["device"] == cost.A100.name and slower["step_s"] > 2 * row["step_s"]
+
+
+CHAPTERS = ("01_ddp", "02_fsdp", "04_swiglu_attention", "06_3d")
+RATE = r"(\d[\d,]*(?:\.\d+)?)\s*(TFLOP/s|TB/s|GB/s|Gb/s)"
+
+
+def _chapter_text(name: str) -> str:
+    """A chapter's sources and stored text outputs, as one string."""
+    from pathlib import Path
+
+    notebook = json.loads((Path(__file__).parent.parent / "notebooks" / f"{name}.ipynb").read_text())
+    parts = []
+    for cell in notebook["cells"]:
+        parts.append("".join(cell["source"]))
+        for out in cell.get("outputs", []):
+            parts.append("".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", "")))
+    return "\n".join(parts)
+
+
+def _figures_off_the_sheet(text: str) -> list[str]:
+    """Every hardware figure in ``text`` that no device of the sheet has, and every "80 GB" (decimal)
+    said of a GPU's memory, which the sheet holds as 80 GiB (quoted, "80GB" is the datasheet's name)."""
+    import re
+
+    sheet = {"TFLOP/s": set(), "TB/s": set(), "GB/s": set(), "Gb/s": set()}
+    for d in cost.DEVICES.values():
+        sheet["TFLOP/s"].add(d.flops_per_s / 1e12)
+        sheet["TB/s"].add(d.memory_bytes_per_s / 1e12)
+        for link in (d.intra, d.inter):
+            sheet["GB/s"].add(link.bytes_per_s / 1e9)
+            sheet["Gb/s"].add(link.bytes_per_s * 8 / 1e9)
+    wrong = [f"{value} {unit}" for value, unit in re.findall(RATE, text)
+             if not any(abs(float(value.replace(",", "")) - v) < 1e-9 for v in sheet[unit])]
+    return wrong + re.findall(r'(?<!")\b80\s?GB\b(?!/)', text) + re.findall(r"\b80e9\b", text)
+
+
+def test_the_checker_of_hardware_figures_catches_a_drifted_figure():
+    assert _figures_off_the_sheet("NVLink 450 GB/s, InfiniBand 400 Gb/s = 50 GB/s, 989 TFLOP/s, 3.35 TB/s") == []
+    assert _figures_off_the_sheet('its "80GB" is 80 GiB') == []
+    assert _figures_off_the_sheet("NVLink 400 GB/s; 200 GB/s") == ["400 GB/s", "200 GB/s"]
+    assert _figures_off_the_sheet("a GPU of 80 GB, hbm = 80e9") == ["80 GB", "80e9"]
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapters_quote_only_the_hardware_sheets_figures(chapter):
+    assert _figures_off_the_sheet(_chapter_text(chapter)) == []
+
+
+def test_chapter_01_ddp_traffic_on_nvlink_and_infiniband():
+    psi = LLAMA3_8B.num_params()
+    for n, link, seconds in ((8, cost.H100.intra, 0.06), (64, cost.H100.inter, 0.63)):
+        assert cost.links_of_layout(n, 1, 1, cost.H100)["dp"] is link
+        sent = cost.ddp_step_bytes(psi, n, grad_bytes=2)
+        assert round(cost.collective_time("all_reduce", sent / (2 * (n - 1) / n), n, link), 2) == seconds
+    assert round(cost.H100.memory_bytes / 1e9, 1) == 85.9  # 80 GiB
+
+
+def _llama_block_listed_bytes(cfg, seq: int, tp: int) -> float:
+    """minitp's block at ``cfg``'s shapes, tensor by tensor in bf16, without the scores and causal mask
+    (FlashAttention keeps neither): chapters 02, 04 and 06."""
+    scores = cfg.n_heads // tp * seq * seq * 2 + seq * seq
+    return cost.tiny_block_activation_bytes(cfg, 1, seq, tp=tp, dtype_bytes=2) - scores
+
+
+def test_a_llama_block_keeps_more_than_gpt3s_count_27_percent_at_tp_8():
+    for cfg, tp, more in ((LLAMA3_70B, 8, 0.27), (LLAMA3_8B, 8, 0.27), (LLAMA3_8B, 1, 0.41)):
+        gpt3 = cost.block_activation_bytes(cfg, 1, 8192, tp=tp)
+        assert round(_llama_block_listed_bytes(cfg, 8192, tp) / gpt3 - 1, 2) == more
+    # at tp = 1, per token and dimension in bytes: 48 against 34 (chapter 04)
+    d = LLAMA3_8B.dim
+    assert round(_llama_block_listed_bytes(LLAMA3_8B, 8192, 1) / (8192 * d), 2) == 48.0
+    assert round(8 * LLAMA3_8B.ffn_hidden / d) == 28  # SwiGLU's 4F values of 2 bytes
+    assert round(_llama_block_listed_bytes(LLAMA3_70B, 8192, 8) / GIB, 3) == 1.031  # against 0.8125 GiB
+
+
+def test_chapter_02_one_8k_sequence_per_gpu_leaves_zero_1_no_room_and_zero_3_plenty():
+    psi, hbm, seq = LLAMA3_8B.num_params(), cost.H100.memory_bytes, 8192
+    gpt3 = cost.activation_bytes_per_rank(LLAMA3_8B, 1, seq, tp=1, pp=1, stage=0, microbatches=1)
+    listed = LLAMA3_8B.n_layers * _llama_block_listed_bytes(LLAMA3_8B, seq, 1)
+    recomputed = cost.activation_bytes_per_rank(LLAMA3_8B, 1, seq, 1, 1, 0, 1, recompute="full")
+    logits = seq * LLAMA3_8B.vocab_size * 4
+    assert [round(x / 1e9, 1) for x in (gpt3, listed, recomputed, logits)] == [36.5, 51.5, 2.1, 4.2]
+    left = {z: [round((hbm - cost.total_memory(cost.memory_per_rank(psi, 8, zero=z, precision="bf16")) - a - logits)
+                      / 1e9, 1) for a in (gpt3, listed, recomputed)] for z in (1, 2, 3)}
+    assert left == {1: [1.0, -14.0, 35.4], 2: [15.1, 0.0, 49.4], 3: [29.1, 14.1, 63.5]}
+
+
+def test_chapter_06_tensor_parallels_1_54_s_are_1_35_s_of_bandwidth_and_0_19_s_of_alpha():
+    row = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
+    bandwidth = row["bytes_per_step"]["tp"] / cost.H100.intra.bytes_per_s
+    steps = row["microbatches"] * (4 * 20 + 3) * 2 * (8 - 1)  # 32 micro-batches, 20 blocks a stage
+    assert (round(bandwidth, 2), steps, round(steps * cost.H100.intra.alpha_s, 2)) == (1.35, 37_184, 0.19)
+    assert row["time"]["tp_s"] == pytest.approx(bandwidth + steps * cost.H100.intra.alpha_s)
+    assert round(row["time"]["tp_s"], 2) == 1.54 and round(row["bytes_per_step"]["tp"] / 1e9) == 609
+    assert round(row["bytes_per_step"]["tp"] / cost.H100.inter.bytes_per_s, 1) == 12.2  # over InfiniBand
+
+
+def test_chapter_06_quotes_the_readmes_calibration_figures():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    said = re.search(r"medians were DDP (\S+) ms against (\d+) predicted,\s+tensor parallel (\S+) against (\d+), "
+                     r"FSDP (\S+) against (\d+) and the pipeline (\S+) against (\d+)", readme)
+    chapter = re.search(r"\(DDP (\d+) ms predicted against (\S+) measured over several runs, tensor parallel (\d+)\s+"
+                        r"against (\S+), FSDP (\d+) against (\S+), the pipeline (\d+) against (\S+?);",
+                        _chapter_text("06_3d"))
+    assert said and chapter
+    measured_predicted = said.groups()
+    predicted_measured = chapter.groups()
+    for i in range(0, 8, 2):  # each strategy: the same measured median and the same prediction
+        assert (measured_predicted[i], measured_predicted[i + 1]) == (predicted_measured[i + 1], predicted_measured[i])

@@ -123,3 +123,26 @@ def test_selective_recomputation_keeps_the_memory_of_flash_attention_and_full_th
     act = {mode: r["memory"]["activations"] for mode, r in rows.items()}
     assert act["none"] > act["selective"] == flash["memory"]["activations"] > act["full"]
     assert rows["none"]["step_s"] < rows["selective"]["step_s"] < rows["full"]["step_s"]
+
+
+def test_without_a_pipeline_the_replica_batch_is_one_micro_batch_and_with_one_micro_batches_of_one_sequence():
+    from minitp import cost
+
+    # chapter 06: 64 sequences of 8192 tokens; dp = 32 replicas of 2 sequences each
+    flat = plan.plan_layout(LLAMA3_70B, 32, 1, 2, 64, 8192, recompute=True)
+    assert flat["microbatches"] == 1 and flat["bubble_fraction"] == 0.0
+    assert flat["memory"]["activations"] == cost.activation_bytes_per_rank(LLAMA3_70B, 2, 8192, 2, 1, 0, 1,
+                                                                           recompute=True)
+    piped = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
+    assert piped["microbatches"] == 32  # B/dp micro-batches of micro_batch = 1 sequence
+    assert piped["memory"]["activations"] == cost.activation_bytes_per_rank(
+        LLAMA3_70B, 1, 8192, 8, 4, piped["worst_stage"], 32, sequence_parallel=True)
+
+
+def test_the_planner_reads_the_gpus_figures_from_the_hardware_sheet():
+    from minitp import cost
+
+    rows = plan.plan(LLAMA3_70B, 64, cost.H100.memory_bytes / 2**30, seq_len=8192, sequence_parallel=True)
+    assert rows == plan.plan(LLAMA3_70B, 64, 80, seq_len=8192, sequence_parallel=True)  # 80 GiB
+    assert {r["device"] for r in rows} == {cost.H100.name}
+    assert all(r["memory_total"] <= cost.H100.memory_bytes for r in rows)

@@ -21,6 +21,14 @@ message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point
 The last of ``minitp.cost``'s modules: it times the bytes the others count. This machine's figures come
 in as a ``Device`` (``device_from_calibration`` of what ``minitp.measure.calibrate`` read); nothing here reads
 a file.
+
+**The hardware sheet.** ``H100`` and ``A100`` are the one place the course and the planner take a GPU's
+figures from: dense BF16 FLOP/s, HBM capacity and bandwidth, NVLink and InfiniBand bandwidth per GPU
+and **per direction**, each with its datasheet in a comment. Units: **GB is 10⁹ bytes, GiB 2³⁰**
+(GB/s 10⁹ bytes per second, Gb/s 10⁹ bits), everywhere in minitp. A datasheet's "80GB" of HBM is
+80 GiB: five stacks of 16 GiB each (the HBM3 of an H100 SXM, the HBM2e of an A100 SXM 80GB), so
+``memory_bytes`` is 80·2³⁰ = 85.9·10⁹ bytes (the driver keeps a little of it for itself). Link and
+memory bandwidths are decimal, as datasheets give them: 450 GB/s is 450·10⁹ bytes per second.
 """
 
 from __future__ import annotations
@@ -57,7 +65,9 @@ class Device:
     flops_per_s: the dense rate at the training precision (published peak for the GPUs);
     efficiency: the share of it large matrix multiplies reach in practice (an assumption, not a
     published figure: compute time is F / (flops_per_s · efficiency); MFU still divides by the peak);
-    intra / inter: the link inside one machine and between machines, per GPU;
+    intra / inter: the link inside one machine and between machines, per GPU, per direction;
+    memory_bytes / memory_bytes_per_s: the GPU's HBM, how much it holds and how fast it is read
+    (flops_per_s / memory_bytes_per_s is the arithmetic intensity above which a kernel is compute-bound);
     overhead_s: what a step costs beyond its FLOPs (Python, autograd, the optimizer's loop over
     tensors): measured on this machine, where the tiny model's step is mostly that; 0 for the GPU
     presets, whose large kernels hide their launches.
@@ -72,18 +82,25 @@ class Device:
     efficiency: float = 1.0
     cores: int | None = None  # CPU only: ranks beyond this many share the cores (this machine)
     overhead_s: float = 0.0  # fixed seconds per forward+backward+step of a whole model and micro-batch
+    memory_bytes_per_s: float = 0.0  # HBM bandwidth (0: not known, as for this machine's calibration)
 
 
-# NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor core (1,979 with sparsity); NVLink 4,
-# 900 GB/s per GPU in both directions together, so 450 GB/s each way; one ConnectX-7 NDR InfiniBand
-# NIC per GPU, 400 Gb/s = 50 GB/s. The α values (a few microseconds) are typical of NCCL rings, not
-# published figures; efficiency 0.6 is an assumed share of peak for large bf16 matmuls in training.
-H100 = Device("H100 SXM", 989e12, Link("NVLink 4", 5e-6, 450e9), Link("InfiniBand NDR 400", 10e-6, 50e9),
-              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6)
-# NVIDIA A100 SXM4 80 GB datasheet: 312 TFLOP/s dense BF16 (624 with sparsity); NVLink 3, 600 GB/s
-# both directions together, 300 GB/s each way; one HDR InfiniBand NIC per GPU, 200 Gb/s = 25 GB/s.
-A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 300e9), Link("InfiniBand HDR 200", 10e-6, 25e9),
-              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6)
+# NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
+# * 989 TFLOP/s dense BF16 tensor core (the datasheet's 1,979 is with 2:4 sparsity);
+# * 80 GB HBM3 (five stacks of 16 GiB: 80 GiB) at 3.35 TB/s;
+# * NVLink 4, 900 GB/s per GPU in both directions together, so 450 GB/s each way;
+# * one ConnectX-7 NDR InfiniBand NIC per GPU (DGX H100), 400 Gb/s = 50 GB/s each way.
+# The α values (a few microseconds) are typical of NCCL rings, not published figures; efficiency 0.6 is an
+# assumed share of peak for large bf16 matmuls in training.
+H100 = Device("H100 SXM", 989e12, Link("NVLink 4", 5e-6, 900e9 / 2), Link("InfiniBand NDR 400", 10e-6, 400e9 / 8),
+              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=3.35e12)
+# NVIDIA A100 SXM4 80 GB datasheet (A100 Tensor Core GPU):
+# * 312 TFLOP/s dense BF16 (624 with sparsity);
+# * 80 GB HBM2e (five stacks of 16 GiB: 80 GiB) at 2,039 GB/s;
+# * NVLink 3, 600 GB/s both directions together, 300 GB/s each way;
+# * one HDR InfiniBand NIC per GPU (DGX A100), 200 Gb/s = 25 GB/s each way.
+A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 600e9 / 2), Link("InfiniBand HDR 200", 10e-6, 200e9 / 8),
+              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=2.039e12)
 DEVICES = {"h100": H100, "a100": A100}
 
 

@@ -226,9 +226,10 @@ def mesh_layouts(gpus: int) -> list[tuple[int, int, int]]:
 def check_choose_layout(fn) -> None:
     """``fn(cfg, gpus, gpu_memory_bytes, gpus_per_node)`` -> (dp, pp, tp) or None."""
     name = "the layout that fits"
-    cases = [(LLAMA3_8B, "LLaMA-3-8B", 64, 80), (LLAMA3_8B, "LLaMA-3-8B", 64, 24),
-             (LLAMA3_70B, "LLaMA-3-70B", 64, 80), (LLAMA3_70B, "LLaMA-3-70B", 64, 40),
-             (LLAMA3_70B, "LLaMA-3-70B", 8, 80), (TINY, "tiny", 8, 2e6 / GIB)]
+    h100 = cost.H100.memory_bytes / GIB  # 80 GiB, the hardware sheet's
+    cases = [(LLAMA3_8B, "LLaMA-3-8B", 64, h100), (LLAMA3_8B, "LLaMA-3-8B", 64, 24),
+             (LLAMA3_70B, "LLaMA-3-70B", 64, h100), (LLAMA3_70B, "LLaMA-3-70B", 64, 40),
+             (LLAMA3_70B, "LLaMA-3-70B", 8, h100), (TINY, "tiny", 8, 2e6 / GIB)]
     for cfg, model, gpus, gib in cases:
         budget = gib * GIB
         shown = f"{gib:g} GiB" if gib >= 1 else f"{budget / 1e6:.1f} MB"
