@@ -3,6 +3,13 @@ bucket size, alternating in one run on the same ranks.
 
     python benchmarks/bench_ddp.py [--models tiny,small] [--quick]
 
+What both sides do each step: forward and backward of a quarter of the batch, the gradients summed
+over the 4 ranks in buckets during backward (timed as the step); then the same AdamW step on the
+whole, replicated parameters, with no message (timed apart). Neither sends anything in forward:
+PyTorch's DDP runs with ``broadcast_buffers=False``, since minitp broadcasts no buffer (the model's
+only buffers, the RoPE tables, are computed alike on every rank); by default PyTorch would
+broadcast them before every forward.
+
 Two bucket caps per model: a quarter of the gradient bytes (several buckets, so the all-reduce of
 one overlaps the backward of the layers before it: what buckets are for) and twice the gradient
 bytes (one bucket, sent after the whole backward). PyTorch gets the cap for every bucket, its
@@ -20,8 +27,6 @@ BUCKETS = {"several-buckets": 0.25, "one-bucket": 2.0}  # bucket size / gradient
 
 
 def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     from minitp.ddp import DistributedDataParallel, split_batch
     from minitp.models import build_model, get_config, loss_fn
     from minitp.models.train import make_optimizer, synthetic_batches
@@ -37,16 +42,27 @@ def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int)
         if name == "minitp":
             wrapped = DistributedDataParallel(model, bucket_mb=minitp_mb)
         else:
-            wrapped = TorchDDP(model, bucket_cap_mb=cap / 2**20, gradient_as_bucket_view=True)
+            wrapped = torch_ddp(model, cap)
         optimizer = make_optimizer(model.parameters(), train.lr)
 
         def step(i, wrapped=wrapped, optimizer=optimizer):
             optimizer.zero_grad()
             loss_fn(wrapped(batches[i][0]), batches[i][1]).backward()
+
+        def optimize(i, optimizer=optimizer):
             optimizer.step()
 
-        sides[name] = harness.Side(step, model.state_dict)
+        sides[name] = harness.Side(step, model.state_dict, optimize)
     return harness.time_sides(sides, rounds, steps, warmup)
+
+
+def torch_ddp(model, cap: int):
+    """PyTorch's side: buckets capped at ``cap`` bytes, gradients kept as views into them (as
+    minitp keeps them), and no broadcast of buffers before each forward (minitp sends none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, bucket_cap_mb=cap / 2**20, gradient_as_bucket_view=True,
+                                   broadcast_buffers=False)
 
 
 def _same_buckets_as_torch(model, cap: int) -> int:

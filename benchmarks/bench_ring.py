@@ -5,7 +5,9 @@
 
 Both sides sum the same float32 buffer (copied fresh each step, on both) over 4 ranks; the sums
 must agree at the end. Two lines: minitp's default sub-chunk size, and 1 MiB sub-chunks (the ring
-pipelined four ways per step: more messages, the same bytes).
+pipelined four ways per step: more messages, the same bytes). What both sides do each step: copy
+the buffer, then sum it over the ranks; there is no optimizer, so the table's optimizer columns are
+empty and the whole step is the all-reduce.
 """
 
 from __future__ import annotations

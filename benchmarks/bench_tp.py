@@ -13,6 +13,12 @@ column, w2 row). Two DTensor plans:
 * **same-messages**: ``PrepareModuleInput`` makes the input of attention and of the MLP one
   replicated DTensor that the column layers share, so backward sums their input gradients first and
   all-reduces once per module, as minitp (Megatron's f) does: the messages minitp sends.
+
+What each side does, and where the harness times it: the step is forward and backward with their
+all-reduces; then AdamW steps this rank's shards, with no message. minitp's parameters are plain
+tensors (its shards); DTensor's are DTensors, and its optimizer step goes through DTensor's
+dispatch once per parameter and operation, which on these models costs far more than the
+arithmetic: the optimizer's own column shows how much, apart from the messages.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ PLANS = ("same-messages", "default-plan")
 
 def _dtensor_plan(same_messages: bool) -> tuple[dict, dict]:
     """(the model-level plan, the plan of each block)."""
+    import inspect
+
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    from minitp.models.llama import Attention
 
     top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows; output all-reduced
            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # logits (B, S, V/tp)
@@ -37,7 +47,8 @@ def _dtensor_plan(same_messages: bool) -> tuple[dict, dict]:
              "feed_forward.w2": RowwiseParallel()}
     if same_messages:
         shared = dict(desired_input_layouts=(Replicate(),), use_local_output=False)
-        inputs = (Replicate(), None, None, None)  # attention(x, cos, sin, cache): only x is laid out
+        # attention(x, cos, sin, cache, attend): only x is laid out, one entry per argument
+        inputs = (Replicate(),) + (None,) * (len(inspect.signature(Attention.forward).parameters) - 2)
         block["attention"] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs,
                                                 use_local_output=False)
         block["feed_forward"] = PrepareModuleInput(input_layouts=(Replicate(),), **shared)
@@ -67,7 +78,6 @@ def _worker(model_name: str, plan: str, rounds: int, steps: int, warmup: int) ->
         tokens, targets = batches[i]
         ours_opt.zero_grad()
         tp.vocab_parallel_cross_entropy(ours(tokens), targets, None).backward()  # logits (B, S, V/tp)
-        ours_opt.step()
 
     mesh = init_device_mesh("cpu", (tp_size,))
     theirs = build_model(cfg, seed=train.seed)
@@ -84,13 +94,12 @@ def _worker(model_name: str, plan: str, rounds: int, steps: int, warmup: int) ->
         theirs_opt.zero_grad()
         with loss_parallel():
             F.cross_entropy(theirs(tokens).flatten(0, 1), targets.flatten()).backward()
-        theirs_opt.step()
 
     def local(model):  # this rank's shards, under the plain model's names
         return {k: p.to_local() if isinstance(p, DTensor) else p for k, p in model.named_parameters()}
 
-    sides = {"minitp": harness.Side(minitp_step, lambda: local(ours)),
-             "torch": harness.Side(torch_step, lambda: local(theirs))}
+    sides = {"minitp": harness.Side(minitp_step, lambda: local(ours), lambda i: ours_opt.step()),
+             "torch": harness.Side(torch_step, lambda: local(theirs), lambda i: theirs_opt.step())}
     return harness.time_sides(sides, rounds, steps, warmup)
 
 

@@ -1,5 +1,5 @@
-"""The benchmark harness's logic (benchmarks/harness.py), on made-up timings and a trivial run:
-no benchmark runs here."""
+"""The benchmark harness's logic (benchmarks/harness.py), on recorded timings, a made-up load and a
+trivial run: no benchmark runs here and nothing depends on how fast this machine is."""
 
 import json
 import math
@@ -14,28 +14,68 @@ import minitp
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import harness  # noqa: E402
 
-KEYS = {"name", "minitp_ms", "torch_ms", "ratio", "range", "model", "ranks", "machine"}
+KEYS = {"name", "minitp_ms", "torch_ms", "ratio", "iqr", "step", "optimize", "model", "ranks", "machine"}
 
 
-def _comparison(tol=1e-4):
-    return harness.Comparison("ddp/several-buckets", "tiny", 2, worker=None, tol=tol)
+def _comparison(tol=1e-4, name="ddp/several-buckets"):
+    return harness.Comparison(name, "tiny", 2, worker=None, tol=tol)
 
 
-def _rank(minitp, torch_, diff=0.0):
-    """One rank's time_sides result: per side, rounds of step times in seconds."""
-    return {"times": {"minitp": minitp, "torch": torch_}, "param_diff": diff, "threads": 1}
+def _rank(minitp, torch_, minitp_opt=None, torch_opt=None, diff=0.0):
+    """One rank's time_sides result: per phase and side, rounds of step times in seconds (an
+    optimizer that takes no time unless given)."""
+    def zeros(rounds):
+        return [[0.0] * len(r) for r in rounds]
+
+    optimize = {"minitp": minitp_opt or zeros(minitp), "torch": torch_opt or zeros(torch_)}
+    return {"times": {"step": {"minitp": minitp, "torch": torch_}, "optimize": optimize},
+            "param_diff": diff, "threads": 1, "optimizes": True}
 
 
-def test_a_step_counts_its_slowest_rank_and_a_side_the_median_of_its_rounds():
-    per_rank = [_rank([[0.010, 0.010], [0.030, 0.030], [0.020, 0.020]], [[0.020, 0.020]] * 3),
-                _rank([[0.012, 0.012], [0.010, 0.010], [0.010, 0.010]], [[0.010, 0.040]] * 3)]
+def test_the_figure_is_the_median_of_paired_round_ratios_with_their_quartiles():
+    # 5 rounds of one step; the machine slows down in rounds 3 and 4 for both sides alike
+    minitp_ = [[0.010], [0.011], [0.030], [0.033], [0.012]]
+    torch_ = [[0.020], [0.020], [0.031], [0.032], [0.010]]
+    line = harness.summarize(_comparison(), [_rank(minitp_, torch_)], [0.5, 0.5, 0.5])
+    # paired ratios 0.5, 0.55, 0.968, 1.031, 1.2: median 0.968, quartiles 0.55 and 1.031
+    assert line["ratio"] == pytest.approx(0.968, abs=1e-3)
+    assert line["iqr"] == pytest.approx([0.55, 1.031], abs=1e-3)
+    # not the ratio of the medians (12 ms over 20 ms)
+    assert line["minitp_ms"] == pytest.approx(12.0) and line["torch_ms"] == pytest.approx(20.0)
+    assert line["ratio"] != pytest.approx(0.6, abs=0.05)
+    assert line["target"] == harness.TARGETS["ddp"] and line["rounds"] == 5
+
+
+def test_quartiles_interpolate_between_the_values():
+    assert harness.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert harness.quartiles([1.0, 2.0, 3.0, 4.0]) == (1.75, 2.5, 3.25)
+    assert harness.quartiles([0.7]) == (0.7, 0.7, 0.7)
+
+
+def test_a_step_counts_its_slowest_rank_per_phase_and_reports_each_phase_apart():
+    per_rank = [_rank([[0.010, 0.010], [0.030, 0.030], [0.020, 0.020]], [[0.020, 0.020]] * 3,
+                      [[0.001, 0.001]] * 3, [[0.008, 0.008]] * 3),
+                _rank([[0.012, 0.012], [0.010, 0.010], [0.010, 0.010]], [[0.010, 0.040]] * 3,
+                      [[0.002, 0.002]] * 3, [[0.004, 0.012]] * 3)]
     line = harness.summarize(_comparison(), per_rank, [0.5, 0.5, 0.5])
-    # slowest rank per step: minitp rounds 12, 30, 20 ms (median 20); torch steps 20 and 40 ms (median 30)
-    assert line["minitp_ms"] == pytest.approx(20.0)
-    assert line["torch_ms"] == pytest.approx(30.0)
-    assert line["ratio"] == pytest.approx(0.667, abs=1e-3)
-    assert line["range"] == pytest.approx([0.4, 1.0])  # the rounds' own ratios: 12/30, 30/30, 20/30
-    assert line["target"] == harness.TARGETS["ddp"]
+    # forward+backward, slowest rank per step: minitp rounds 12, 30, 20 ms; torch steps 20 and 40 (median 30)
+    assert line["step"]["minitp_ms"] == pytest.approx(20.0) and line["step"]["torch_ms"] == pytest.approx(30.0)
+    assert line["step"]["ratio"] == pytest.approx(0.667, abs=1e-3)  # rounds' ratios 0.4, 1.0, 0.667
+    assert line["step"]["iqr"] == pytest.approx([0.533, 0.833], abs=1e-3)
+    # optimizer: minitp 2 ms every step, torch 8 and 12 ms (median 10): 0.2 every round
+    assert line["optimize"]["minitp_ms"] == pytest.approx(2.0) and line["optimize"]["torch_ms"] == pytest.approx(10.0)
+    assert line["optimize"]["ratio"] == pytest.approx(0.2) and line["optimize"]["iqr"] == pytest.approx([0.2, 0.2])
+    # whole step = the two phases' slowest ranks added: minitp 14, 32, 22; torch 28 and 52 (median 40)
+    assert line["minitp_ms"] == pytest.approx(22.0) and line["torch_ms"] == pytest.approx(40.0)
+    assert line["ratio"] == pytest.approx(0.55)  # rounds' ratios 0.35, 0.8, 0.55
+
+
+def test_a_side_with_no_optimizer_reports_no_optimizer_figures():
+    per_rank = [{**_rank([[0.01]] * 3, [[0.02]] * 3), "optimizes": False}]
+    line = harness.summarize(_comparison(name="ring/16MB"), per_rank, [0.0, 0.0, 0.0])
+    assert line["optimize"] is None and line["ratio"] == pytest.approx(0.5)
+    row = harness.table([line]).splitlines()[-1]
+    assert "| – | – |" in row and "0.50 (0.50–0.50)" in row
 
 
 def test_the_json_line_has_its_keys_and_is_one_line():
@@ -48,7 +88,7 @@ def test_the_json_line_has_its_keys_and_is_one_line():
 @pytest.mark.parametrize("diff", [1e-3, math.inf, math.nan])
 def test_sides_that_diverge_fail_the_comparison(diff):
     with pytest.raises(harness.Diverged, match="parameters differ"):
-        harness.summarize(_comparison(tol=1e-4), [_rank([[0.01]], [[0.01]]), _rank([[0.01]], [[0.01]], diff)],
+        harness.summarize(_comparison(tol=1e-4), [_rank([[0.01]], [[0.01]]), _rank([[0.01]], [[0.01]], diff=diff)],
                           [0.0, 0.0, 0.0])
 
 
@@ -59,28 +99,144 @@ def test_parameters_that_differ_in_names_or_shapes_count_as_diverged():
     assert harness.max_abs_diff(a, {"w": torch.zeros(4)}) == math.inf
 
 
+# -- the load gate ------------------------------------------------------------------------------------
+
+
+class _FakeTime:
+    """A clock that only moves when slept on, and a load average that follows a script."""
+
+    def __init__(self, monkeypatch, loads):
+        self.now, self.loads, self.slept = 100.0, list(loads), []
+        monkeypatch.setattr(harness.os, "getloadavg", self.load)
+
+    def load(self):
+        one = self.loads.pop(0) if len(self.loads) > 1 else self.loads[0]
+        return one, one, one
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_the_gate_waits_for_the_load_to_fall_then_lets_the_comparison_run(monkeypatch):
+    fake = _FakeTime(monkeypatch, [3.0, 2.2, 1.4])
+    quiet, load, waited = harness.wait_for_quiet(1.5, wait_s=60, poll_s=5, clock=fake.clock, sleep=fake.sleep)
+    assert quiet and load == 1.4 and waited == 10
+    assert fake.slept == [5, 5]
+
+
+def test_the_gate_gives_up_at_its_bound(monkeypatch):
+    fake = _FakeTime(monkeypatch, [2.5])
+    quiet, load, waited = harness.wait_for_quiet(1.5, wait_s=60, poll_s=7, clock=fake.clock, sleep=fake.sleep)
+    assert not quiet and load == 2.5 and waited == 60
+    assert sum(fake.slept) == 60 and max(fake.slept) == 7  # the last wait cut to the bound
+
+
+def test_a_quiet_machine_is_not_waited_for(monkeypatch):
+    fake = _FakeTime(monkeypatch, [0.3])
+    assert harness.wait_for_quiet(1.5, clock=fake.clock, sleep=fake.sleep) == (True, 0.3, 0.0)
+    assert fake.slept == []
+
+
+def test_a_comparison_the_gate_refuses_is_recorded_as_skipped_and_not_run(monkeypatch):
+    fake = _FakeTime(monkeypatch, [3.2])
+
+    def never(*args, **kwargs):
+        raise AssertionError("a refused comparison must not run")
+
+    comparison = harness.Comparison("ddp/one-bucket", "small", 4, worker=never)
+    line = harness.run_comparison(comparison, 11, 2, 3, max_load=1.5, wait_s=60, clock=fake.clock, sleep=fake.sleep)
+    assert line["skipped"] == "1-minute load 3.20 stayed above 1.5 for 60 s"
+    assert "ratio" not in line and "minitp_ms" not in line
+    row = harness.table([line]).splitlines()[-1]
+    assert row.startswith("| ddp/one-bucket | small | 4 | skipped: 1-minute load 3.20")
+
+
+def test_the_command_line_takes_a_load_threshold_and_a_bound():
+    assert (harness.make_parser().parse_args([]).max_load, harness.make_parser().parse_args([]).wait) == (1.5, 60)
+    args = harness.make_parser().parse_args(["--max-load", "2.5", "--wait", "30"])
+    assert (args.max_load, args.wait) == (2.5, 30)
+
+
+# -- the same timing and the same work on every row ---------------------------------------------------
+
+
+def _all_comparisons():
+    import importlib
+
+    return [c for name in harness.BENCHMARKS
+            for c in importlib.import_module(f"bench_{name}").comparisons(["tiny", "small"])]
+
+
+def test_every_row_runs_at_least_9_rounds_after_2_warm_up_steps():
+    comparisons = _all_comparisons()
+    assert {c.model for c in comparisons} >= {"tiny", "small"}
+    for c in comparisons:
+        timing = harness.timing_for(c, harness.ROUNDS, harness.STEPS, harness.WARMUP)
+        assert timing["rounds"] >= 9 and timing["warmup"] >= 2 and timing["steps"] >= 1, (c.name, c.model, timing)
+
+
+def _torch_ddp_settings():
+    import bench_ddp
+
+    from minitp.models import build_model, get_config
+
+    wrapped = bench_ddp.torch_ddp(build_model(get_config("tiny"), seed=0), 2**20)
+    return {"broadcast_buffers": wrapped.broadcast_buffers, "as_views": wrapped.gradient_as_bucket_view}
+
+
+def test_pytorchs_ddp_broadcasts_no_buffer_as_minitps_does_not():
+    results = minitp.launch(_torch_ddp_settings, 2, echo=False)
+    assert all(r == {"broadcast_buffers": False, "as_views": True} for r in results)
+
+
+def test_torch_runs_minitps_own_zero_bubble_table():
+    import bench_pp
+    from torch.distributed.pipelining.schedules import _validate_schedule
+
+    from minitp.pp_schedules import zero_bubble_h1
+
+    table = zero_bubble_h1(2, bench_pp.MICROBATCHES)
+    order = bench_pp.torch_actions(table)
+    # the same actions in the same order, B as torch's input gradient "I"
+    assert [[str(a) for a in order[r]] for r in (0, 1)] == [
+        [f"{r}{'I' if a.kind == 'B' else a.kind}{a.microbatch}" for a in table[r]] for r in (0, 1)]
+    assert _validate_schedule(order, 2, 2, bench_pp.MICROBATCHES) == {0: 0, 1: 1}  # torch accepts it whole
+
+
 def _trivial(offset, rounds, steps, warmup):
-    """Both sides add 1 to a tensor each step; the torch side starts ``offset`` apart. Records the
-    order the sides ran in."""
+    """Both sides add 1 to a tensor each step and 10 each optimizer step; the torch side starts
+    ``offset`` apart. Records the order the phases ran in."""
     state, order = {"minitp": torch.zeros(3), "torch": torch.full((3,), float(offset))}, []
 
     def side(name):
         def step(i):
-            order.append((name, i))
+            order.append((name, "step", i))
             state[name] += 1
-        return harness.Side(step, lambda: {"x": state[name]})
+
+        def optimize(i):
+            order.append((name, "optimize", i))
+            state[name] += 10
+        return harness.Side(step, lambda: {"x": state[name]}, optimize)
 
     return {**harness.time_sides({n: side(n) for n in harness.SIDES}, rounds, steps, warmup), "order": order}
 
 
-def test_time_sides_warms_up_alternates_the_order_and_compares_the_end():
+def test_time_sides_warms_up_alternates_the_order_times_each_phase_and_compares_the_end():
     results = minitp.launch(_trivial, 2, 0.0, 3, 2, 1, echo=False)
     order = results[0]["order"]
     # warm-up (1 step each), then rounds of 2 steps: minitp first, then torch first, then minitp first
-    who = [name for name, _ in order]
+    who = [name for name, phase, _ in order if phase == "step"]
     assert who == ["minitp", "torch"] + ["minitp"] * 2 + ["torch"] * 4 + ["minitp"] * 4 + ["torch"] * 2
-    assert [i for name, i in order if name == "torch"] == list(range(7))  # each side walks its own batches
-    assert all(len(r["times"]["minitp"]) == 3 and len(r["times"]["minitp"][0]) == 2 for r in results)
+    # each step is followed by its own optimizer step, on the same batch
+    assert all(order[k + 1] == (name, "optimize", i) for k, (name, phase, i) in enumerate(order) if phase == "step")
+    assert [i for name, phase, i in order if name == "torch" and phase == "step"] == list(range(7))
+    for r in results:
+        for phase in harness.PHASES:
+            assert len(r["times"][phase]["minitp"]) == 3 and len(r["times"][phase]["minitp"][0]) == 2
     assert results[0]["param_diff"] == 0.0
     apart = minitp.launch(_trivial, 2, 0.5, 1, 1, 0, echo=False)
     with pytest.raises(harness.Diverged):
