@@ -8,7 +8,7 @@ import pytest
 
 from minitp import cli, cost, pp, runs
 from minitp.pp import one_f_one_b, replay, simulate, zero_bubble_h1
-from minitp.runs.pipeline import bubble_decomposition
+from minitp.runs.pipeline import bubble_decomposition, handover_costs
 
 
 def _delayed(timelines, rank, after, delay):
@@ -56,6 +56,19 @@ def test_the_decomposition_of_equal_stages_is_the_formula_and_of_a_slower_stage_
     assert bubble_decomposition(zb) == pytest.approx((cost.pp_bubble_fraction(p, m, "zb"),) * 2)
 
 
+@pytest.mark.parametrize("make,p,m,v", [(one_f_one_b, 2, 16, 1), (pp.interleaved_1f1b, 2, 8, 2), (zero_bubble_h1, 3, 6, 1)])
+def test_the_hand_over_measured_from_a_step_plays_it_back(make, p, m, v):
+    """A step played with messages costing 0.3 and 0.05 between a rank's actions: handover_costs reads
+    both back from its timelines, and replaying the compute with them gives the step again."""
+    schedule = make(p, m, v) if v > 1 else make(p, m)
+    costly = replay(simulate(schedule, 1.0, 2.0), message_s=0.3, gap_s=0.05)
+    assert sum(pp.bubble_fraction(costly)) > sum(pp.bubble_fraction(simulate(schedule, 1.0, 2.0))) + 0.01
+    assert handover_costs(costly) == pytest.approx((0.3, 0.05))
+    again = replay(costly, *handover_costs(costly))
+    assert pp.bubble_fraction(again) == pytest.approx(pp.bubble_fraction(costly))
+    assert handover_costs(simulate(schedule, 1.0, 2.0)) == pytest.approx((0.0, 0.0))
+
+
 def test_the_report_places_the_compute_only_bubble_between_the_formula_and_the_measured_one(tmp_path):
     path = tmp_path / "r.json"
     assert cli.main(["run", "pp", "--nproc", "2", "--microbatches", "4", "--steps", "3", "--json", str(path)]) == 0
@@ -64,3 +77,6 @@ def test_the_report_places_the_compute_only_bubble_between_the_formula_and_the_m
     # free messages can only shorten a step, so the replay never idles more than the run did
     assert report["bubble_fraction_compute_only"] <= report["bubble_fraction_measured"] + 1e-9
     assert report["bubble_fraction_stage_times"] >= report["bubble_fraction_expected"] - 1e-9
+    # the measured hand-over costs only add time to the compute-only replay
+    assert report["handover_message_s"] >= 0 and report["handover_gap_s"] >= 0
+    assert report["bubble_fraction_with_handover"] >= report["bubble_fraction_compute_only"] - 1e-9

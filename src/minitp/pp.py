@@ -18,15 +18,15 @@ ZB-H1 are four pure functions of (p, m[, v]); ``simulate`` plays any of them wit
 (``pp/forward/mb3``), a backward sends the gradient of the piece's input to the rank of the previous
 one (``pp/backward/mb3``; under interleaving the labels add ``/piece5``, the sender's piece); the
 events carry the same as fields (``Event.phase``, ``microbatch``, ``chunk``: the sender's). Sends
-are ``isend`` (waited on at the end of the step); receives are ``irecv`` posted a couple of actions
-ahead (``recv_ahead``) and waited on when the action needs them. Every rank knows every rank's
+are ``isend`` (waited on at the end of the step); receives are ``irecv``, all posted as the step
+starts (or ``recv_ahead`` actions ahead) and waited on when the action needs them. Every rank knows every rank's
 table, so it posts its receives from a neighbour in the order that neighbour sends them: messages
 between two ranks are matched first to first, however forwards, backwards and chunks interleave.
 A rank only ever waits for what its next action needs, so a table that ``simulate`` plays to the
 end cannot deadlock. Blocking sends could: in 1F1B's steady state rank s sends an activation to
 s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo: a message whose
 receive is already posted is written at once by the sender; otherwise gloo's background thread
-hands it over later, which on a busy two-core machine took up to ~5 ms.
+hands it over later (+0.2 ms a message at 2 ranks here).
 
 Zero-bubble's B and W: ``WeightGradients`` gives every ``nn.Linear`` of the stage a backward that
 returns the input gradient g·W at once and leaves (x, g) aside; the W action computes gᵀx from them.
@@ -66,6 +66,7 @@ from minitp.pp_schedules import (
     gpipe,
     interleaved_1f1b,
     make_schedule,
+    needs,
     one_f_one_b,
     peak_in_flight,
     replay,
@@ -76,7 +77,7 @@ from minitp.pp_schedules import (
 
 __all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineStage", "Schedule", "StagePieces", "StageSpec", "StepRecord",
            "Timeline", "WeightGradients",
-           "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
+           "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "needs", "one_f_one_b",
            "peak_in_flight", "replay", "simulate", "split_microbatches", "splits_weight_gradient", "stage_blocks",
            "zero_bubble_h1"]
 
@@ -197,8 +198,9 @@ class Pipeline:
         already made, whose ``forward`` may run through a wrapper (``Parallel3D``; one chunk only).
     schedule: "gpipe", "1f1b", "interleaved" (with ``virtual_stages`` v >= 2 chunks per rank) or
         "zb" (ZB-H1: the backward cut into B and W).
-    recv_ahead: how many actions past the current one have their receives posted (a receive
-        buffer is (b, S, D), small beside the activations a micro-batch keeps for backward).
+    recv_ahead: how many actions past the current one have their receives posted; None (the
+        default): the whole step's, as it starts. A receive buffer is (b, S, D), small beside the
+        activations a micro-batch keeps for backward, but the whole step holds 2·v·m of them.
     context: context parallel inside each piece (``PipelineStage(context=)``), plain model only.
 
     The table of every rank is known to every rank (it is data), so a receiver posts its receives
@@ -207,7 +209,7 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b", microbatches: int = 4,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int = 2,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int | None = None,
                  virtual_stages: int = 1, context=None):
         comm.name_group(group, "pp", unless_named=True)  # its messages' Event.dim
         self.ranks = comm.group_ranks(group)
@@ -365,7 +367,8 @@ class _Receives:
 
     def post_ahead(self, j: int) -> None:
         """Post the receives of actions j .. j + recv_ahead (and, in order, all before them)."""
-        for k in range(j, min(j + 1 + self.pipe.recv_ahead, len(self.pipe.actions))):
+        ahead = self.pipe.recv_ahead
+        for k in range(j, len(self.pipe.actions) if ahead is None else min(j + 1 + ahead, len(self.pipe.actions))):
             key = self._key(k)
             if key is not None:
                 self._post_through(key)

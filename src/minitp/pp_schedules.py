@@ -223,20 +223,34 @@ def simulate(schedule: Schedule, forward_time: Times = 1.0, backward_time: Times
     return _play(schedule, lambda s, j, a: cost[s][a.kind])
 
 
-def replay(timelines: list[Timeline]) -> list[Timeline]:
-    """Play measured timelines again, each action as long as it took, with free messages and no
-    time between actions: the step as it would have gone had only compute taken time.
+def replay(timelines: list[Timeline], message_s: float = 0.0, gap_s: float = 0.0) -> list[Timeline]:
+    """Play measured timelines again, each action as long as it took; by default with free messages
+    and no time between actions: the step as it would have gone had only compute taken time.
 
     What it tells apart: the bubble of the replay holds the formula's bubble plus what unequal
     stages and uneven actions (one micro-batch's backward slower than the next) add; the measured
-    bubble minus the replay's is the hand-over (messages, waits, the loop's own time)."""
+    bubble minus the replay's is the hand-over. ``message_s`` (each message from another rank
+    arrives that long after its action ends) and ``gap_s`` (a rank's own time between two actions)
+    put the hand-over's measured costs back in."""
     schedule = [[a for a, _, _ in t] for t in timelines]
-    return _play(schedule, lambda s, j, a: timelines[s][j][2] - timelines[s][j][1])
+    return _play(schedule, lambda s, j, a: timelines[s][j][2] - timelines[s][j][1], message_s, gap_s)
 
 
-def _play(schedule: Schedule, duration: Callable[[int, int, Action], float]) -> list[Timeline]:
+def needs(a: Action, piece: int, last_piece: int) -> tuple[str, int, int] | None:
+    """The (kind, piece, micro-batch) whose end action ``a`` of piece ``piece`` waits for: F of
+    piece k waits for F of k-1, B of k for B of k+1 (the last piece: for its own F), W for its B."""
+    if a.kind == "F":
+        return ("F", piece - 1, a.microbatch) if piece > 0 else None
+    if a.kind == "B":
+        return ("B", piece + 1, a.microbatch) if piece < last_piece else ("F", piece, a.microbatch)
+    return ("B", piece, a.microbatch)
+
+
+def _play(schedule: Schedule, duration: Callable[[int, int, Action], float], message_s: float = 0.0,
+          gap_s: float = 0.0) -> list[Timeline]:
     """Each rank runs its actions in order, action j of rank s lasting ``duration(s, j, action)``,
-    each as soon as the action it needs has ended (messages are free)."""
+    each as soon as the action it needs has ended (plus ``message_s`` from another rank) and
+    ``gap_s`` after the rank's previous action."""
     p = len(schedule)
     v = max(chunks_of(a) for a in schedule)
     last_piece = p * v - 1
@@ -249,15 +263,11 @@ def _play(schedule: Schedule, duration: Callable[[int, int, Action], float]) -> 
             while position[s] < len(schedule[s]):
                 a = schedule[s][position[s]]
                 k = a.chunk * p + s
-                if a.kind == "F":
-                    need = ("F", k - 1, a.microbatch) if k > 0 else None
-                elif a.kind == "B":
-                    need = ("B", k + 1, a.microbatch) if k < last_piece else ("F", k, a.microbatch)
-                else:
-                    need = ("B", k, a.microbatch)
+                need = needs(a, k, last_piece)
                 if need is not None and need not in done:
                     break
-                start = max(free[s], done[need] if need else 0.0)
+                arrives = done[need] + (message_s if need[1] % p != s else 0.0) if need else 0.0
+                start = max(free[s] + (gap_s if position[s] else 0.0), arrives)
                 free[s] = start + duration(s, position[s], a)
                 done[(a.kind, k, a.microbatch)] = free[s]
                 timelines[s].append((a, start, free[s]))

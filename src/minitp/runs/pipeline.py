@@ -59,6 +59,31 @@ def bubble_decomposition(timelines: list[pp.Timeline]) -> tuple[float, float]:
             statistics.fmean(pp.bubble_fraction(pp.replay(timelines))))
 
 
+def handover_costs(timelines: list[pp.Timeline]) -> tuple[float, float]:
+    """What one step's hand-over cost, measured from its timelines (one per rank, one clock):
+
+    * message: where a rank sat idle waiting for another rank's action, the median time from that
+      action's end to the waiting action's start (the message's trip, wait and hand-over);
+    * gap: where an action needed nothing from another rank still running, the median time between
+      the rank's previous action's end and its start (the loop's own time, posting and sending).
+
+    ``pp.replay(timelines, message, gap)`` plays the step again with these costs added."""
+    p = len(timelines)
+    v = max(a.chunk for t in timelines for a, _, _ in t) + 1
+    ends = {(a.kind, a.chunk * p + s, a.microbatch): e for s, t in enumerate(timelines) for a, _, e in t}
+    waits, gaps = [], []
+    for s, t in enumerate(timelines):
+        for j in range(1, len(t)):
+            (a, start, _), previous_end = t[j], t[j - 1][2]
+            need = pp.needs(a, a.chunk * p + s, p * v - 1)
+            arrived = ends[need] if need is not None and need[1] % p != s else None
+            if arrived is not None and arrived > previous_end:
+                waits.append(start - arrived)
+            else:
+                gaps.append(start - previous_end)
+    return statistics.median(waits or [0.0]), statistics.median(gaps or [0.0])
+
+
 def rank_blocks(n_layers: int, pp_size: int, virtual_stages: int = 1) -> list[list[range]]:
     """Per rank, the block ranges of its chunks: piece c·p + r of the p·v pieces for chunk c."""
     pieces = layout.stage_blocks(n_layers, pp_size * virtual_stages)  # refuses too many pieces
@@ -97,6 +122,10 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
     timed = per_step[1:] or per_step  # the first step also warms up (allocations, first messages)
     decomposed = [bubble_decomposition([r["timelines"][k] for r in results]) for k in range(steps)]
     decomposed = decomposed[1:] or decomposed
+    costs = [handover_costs([r["timelines"][k] for r in results]) for k in range(steps)]
+    costs = costs[1:] or costs
+    with_costs = [statistics.fmean(pp.bubble_fraction(pp.replay([r["timelines"][k] for r in results], *c)))
+                  for k, c in enumerate(costs, start=steps - len(costs))]
     last = [r["timelines"][-1] for r in results]
     t0 = min(t[0][1] for t in last)
     return build_report(
@@ -109,6 +138,9 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
         bubble_fraction_expected=cost.pp_bubble_fraction(nproc, microbatches, schedule, v),
         bubble_fraction_stage_times=statistics.median(d[0] for d in decomposed),
         bubble_fraction_compute_only=statistics.median(d[1] for d in decomposed),
+        bubble_fraction_with_handover=statistics.median(with_costs),
+        handover_message_s=statistics.median(c[0] for c in costs),
+        handover_gap_s=statistics.median(c[1] for c in costs),
         peak_microbatches_in_flight=[r["peak_in_flight"] for r in results],
         peak_microbatches_in_flight_expected=[cost.pp_peak_microbatches_in_flight(nproc, microbatches, s, schedule, v)
                                               for s in range(nproc)],
