@@ -56,7 +56,8 @@ def test_the_decomposition_of_equal_stages_is_the_formula_and_of_a_slower_stage_
     assert bubble_decomposition(zb) == pytest.approx((cost.pp_bubble_fraction(p, m, "zb"),) * 2)
 
 
-@pytest.mark.parametrize("make,p,m,v", [(one_f_one_b, 2, 16, 1), (pp.interleaved_1f1b, 2, 8, 2), (zero_bubble_h1, 3, 6, 1)])
+@pytest.mark.parametrize("make,p,m,v", [(one_f_one_b, 2, 16, 1), (pp.interleaved_1f1b, 2, 8, 2),
+                                        (zero_bubble_h1, 3, 6, 1)])
 def test_the_hand_over_measured_from_a_step_plays_it_back(make, p, m, v):
     """A step played with messages costing 0.3 and 0.05 between a rank's actions: handover_costs reads
     both back from its timelines, and replaying the compute with them gives the step again."""
