@@ -44,6 +44,12 @@ def test_balanced_chunks_catches_mistakes(answer, message):
         ch07.check_balanced_chunks(answer)
 
 
+def test_balanced_chunks_says_how_uneven_contiguous_slices_are():
+    # the first case is cp = 2: rank r does r·c² + c(c+1)/2 pairs, the last about 2·cp-1 = 3 times rank 0
+    with pytest.raises(ExerciseError, match=r"about 2·cp-1 = 3 times the first one's work"):
+        ch07.check_balanced_chunks(chunks_contiguous)
+
+
 # -- online softmax ----------------------------------------------------------------------------------
 def softmax_right(m, row_sum, acc, scores, v):
     m_new = torch.maximum(m, scores.amax(-1))
@@ -171,6 +177,10 @@ def bytes_whole_sequence(batch, seq, kv_heads, head_dim, cp, dtype_bytes):
     return bytes_right(batch, seq * cp, kv_heads, head_dim, cp, dtype_bytes)
 
 
+def bytes_4cp_minus_3(batch, seq, kv_heads, head_dim, cp, dtype_bytes):
+    return (4 * cp - 3) * 2 * batch * kv_heads * seq / cp * head_dim * dtype_bytes
+
+
 def test_ring_bytes_accepts_the_answer(capsys):
     ch07.check_ring_bytes(bytes_right)
     assert "[ok] ring bytes" in capsys.readouterr().out
@@ -180,6 +190,7 @@ def test_ring_bytes_accepts_the_answer(capsys):
     (bytes_forward_only, "forward alone"),
     (bytes_no_home_hop, "cp hops, not cp-1"),
     (bytes_whole_sequence, "S/cp positions"),
+    (bytes_4cp_minus_3, r"\(3cp-2\)·2KV in all"),
     (stub, "not done yet"),
 ])
 def test_ring_bytes_catches_mistakes(answer, message):

@@ -45,3 +45,13 @@ def test_stored_work_per_rank_is_even_only_when_balanced():
 def test_timings_at_4_ranks_say_they_are_oversubscribed():
     for setting, text in stored_panels(NOTEBOOK).items():
         assert ("oversubscribed: 4 ranks on 2 cores" in text) == (setting[0] == 4), setting
+
+
+def test_every_stored_label_states_the_rings_3n_minus_2_hops():
+    from minitp.viz.format import format_bytes
+
+    for (n, _), text in stored_panels(NOTEBOOK).items():
+        hop = 2 * cost.cp_kv_block_bytes(1, 1024, 4, 64, n)
+        assert f"each rank sends n-1 = {n - 1} block" in text and f"of 2KV = {format_bytes(hop)} each" in text
+        assert f"(3n-2)·2KV = {format_bytes((3 * n - 2) * hop)} in forward and backward" in text, text
+        assert cost.cp_attention_bytes(1, 1024, 4, 64, n) == (3 * n - 2) * hop

@@ -70,9 +70,11 @@ from minitp.cost.experts import (
     ep_params_per_rank,
     ep_run_bytes,
     ep_stage_unit_numels,
+    expected_nodes_per_token,
     moe_activation_bytes_per_rank,
     moe_all_to_all_bytes,
     moe_block_activation_bytes,
+    moe_internode_bytes,
     moe_param_split,
     tokens_between_ranks,
 )
@@ -151,7 +153,7 @@ __all__ = [
     "COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "ep3d_run_bytes",
     "moe_param_split", "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
     "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
-    "moe_activation_bytes_per_rank",
+    "expected_nodes_per_token", "moe_internode_bytes", "moe_activation_bytes_per_rank",
     # time
     "Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
     "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",

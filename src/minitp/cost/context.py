@@ -11,6 +11,7 @@ Per attention call each rank sends, on the ring (to rank + 1):
     forward    (c-1) · 2KV           its keys and values travel c-1 hops (the last block stays)
     backward   (c-1) · 2KV + c · 2KV  the blocks go round again; their gradients dK, dV travel
                                       with them and one more hop brings each rank's own home
+    in all     (3c-2) · 2KV           what ``minitp.cp.ring_attention`` sends, traced
 
 Then per step one all-reduce of the gradients, 2(c-1)/c · Ψ · 4 (every rank holds the whole model
 and saw S/c of the tokens). Memory of parameters, gradients and AdamW state is DDP's: nothing is
@@ -38,7 +39,7 @@ def cp_kv_block_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: in
 def cp_attention_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4,
                        backward: bool = True) -> float:
     """Bytes one rank sends around the ring for one attention call: (c-1)·2KV forward, and with
-    ``backward`` (c-1)·2KV + c·2KV more (the blocks again, and their gradients)."""
+    ``backward`` (c-1)·2KV + c·2KV more (the blocks again, and their gradients): (3c-2)·2KV in all."""
     if cp == 1:
         return 0.0
     kv2 = 2 * cp_kv_block_bytes(batch, seq, kv_heads, head_dim, cp, dtype_bytes)

@@ -26,6 +26,8 @@ Part of ``minitp.cost`` (re-exported there); builds on its strategies, activatio
 
 from __future__ import annotations
 
+import math
+
 from minitp.cost.activations import block_activation_bytes, recompute_mode
 from minitp.cost.context import cp_mesh_step_bytes
 from minitp.cost.strategies import (
@@ -41,7 +43,7 @@ from minitp.layout import check_divisible, check_positive, stage_num_blocks
 
 __all__ = ["COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "ep3d_run_bytes",
            "moe_param_split", "ep_params_per_rank", "idle_experts", "ep_memory_per_rank", "moe_all_to_all_bytes",
-           "active_params",
+           "expected_nodes_per_token", "moe_internode_bytes", "active_params",
            "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
            "moe_activation_bytes_per_rank"]
 
@@ -164,6 +166,46 @@ def moe_all_to_all_bytes(tokens: int, dim: int, top_k: int, ep: int, dispatch_by
     BF16 combine); with ``backward`` the two gradient all-to-alls, in ``grad_bytes`` (default:
     combine_bytes). Returns {"dispatch", "combine", "backward", "total"} (counts left out: E·8 bytes)."""
     rows = top_k * tokens * (ep - 1) / ep
+    out = {"dispatch": rows * dim * dispatch_bytes, "combine": rows * dim * combine_bytes, "backward": 0.0}
+    if backward:
+        out["backward"] = 2 * rows * dim * (combine_bytes if grad_bytes is None else grad_bytes)
+    out["total"] = out["dispatch"] + out["combine"] + out["backward"]
+    return out
+
+
+def expected_nodes_per_token(n_experts: int, top_k: int, nodes: int, max_nodes: int | None = None) -> float:
+    """Expected number of distinct nodes a token's k experts sit on, E experts spread evenly over
+    ``nodes`` nodes (E/nodes on each). Node-limited routing (DeepSeek-V3: ``max_nodes`` M = 4) first
+    picks M nodes, then the k experts among theirs. Assumed: the M nodes are any M of the nodes with
+    equal chance, and the k experts any k distinct ones of those M·E/nodes, with equal chance (even
+    routing). A node is missed when all k come from the other M-1 nodes' experts:
+
+        M · (1 - C((M-1)·E/nodes, k) / C(M·E/nodes, k)).
+
+    Without a limit (``max_nodes`` None) M is every node."""
+    check_divisible("n_experts", n_experts, "nodes", nodes)
+    limit = nodes if max_nodes is None else min(max_nodes, nodes)
+    per_node = n_experts // nodes
+    if not 1 <= top_k <= limit * per_node:
+        raise ValueError(f"top_k={top_k} must be between 1 and the {limit * per_node} experts on "
+                         f"max_nodes={limit} nodes of {per_node} experts each")
+    return limit * (1 - math.comb((limit - 1) * per_node, top_k) / math.comb(limit * per_node, top_k))
+
+
+def moe_internode_bytes(tokens: int, dim: int, top_k: int, n_experts: int, ep: int, gpus_per_node: int = 8,
+                        max_nodes: int | None = None, dispatch_bytes: float = 2, combine_bytes: float = 2,
+                        grad_bytes: float | None = None, backward: bool = True) -> dict[str, float]:
+    """Bytes one GPU sends between nodes (InfiniBand) in one MoE layer for ``tokens`` tokens of its
+    own, when a token crosses to each node that holds any of its k experts once and is forwarded to
+    those experts' GPUs inside the node (NVLink), and the combine adds a node's outputs inside it
+    before the one row goes back (DeepSeek-V3's dispatch and combine). Rows per token and all-to-all:
+    the expected distinct nodes (``expected_nodes_per_token``) that are not the token's own, each
+    node being the token's own with chance 1/nodes: (nodes-1)/nodes of them. Compare
+    ``moe_all_to_all_bytes``: k·(ep-1)/ep rows, one per assignment. Returns {"dispatch", "combine",
+    "backward", "total"} like it (counts left out)."""
+    check_divisible("ep", ep, "gpus_per_node", gpus_per_node)
+    nodes = ep // gpus_per_node
+    rows = tokens * expected_nodes_per_token(n_experts, top_k, nodes, max_nodes) * (nodes - 1) / nodes
     out = {"dispatch": rows * dim * dispatch_bytes, "combine": rows * dim * combine_bytes, "backward": 0.0}
     if backward:
         out["backward"] = 2 * rows * dim * (combine_bytes if grad_bytes is None else grad_bytes)

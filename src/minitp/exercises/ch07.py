@@ -11,7 +11,8 @@
   ``comm.isend``/``comm.irecv``. Run on 2 and 4 ranks; output compared with one process, messages with
   cp-1 sends per rank, each to the next rank.
 * ``check_ring_bytes(fn)``: ``fn(batch, seq, kv_heads, head_dim, cp, dtype_bytes)`` gives the bytes one
-  rank sends for one attention forward and backward; compared with ``minitp.cost.cp_attention_bytes``.
+  rank sends for one attention forward and backward, (3cp-2)·2KV; compared with
+  ``minitp.cost.cp_attention_bytes``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def check_balanced_chunks(fn) -> None:
                 continue
             hint = ""
             if got == layout.cp_chunks(seq, n, rank, balanced=False):
-                hint = ("that is the contiguous slice: under a causal mask the last rank would do cp times the "
-                        "first one's work. Cut the sequence into 2·cp chunks and give rank i two of them.")
+                hint = ("that is the contiguous slice: under a causal mask rank r attends to r whole earlier slices "
+                        "and half of its own (r·c² + c(c+1)/2 query-key pairs, c = seq_len/cp), so the last rank "
+                        f"does about 2·cp-1 = {2 * n - 1} times the first one's work. Cut the sequence into 2·cp "
+                        "chunks and give rank i two of them.")
             elif isinstance(got, list) and len(got) == 2 and got[0] == want[0]:
                 hint = (f"the first chunk is right but the second is not: its partner is chunk 2·cp-1-i = "
                         f"{2 * n - 1 - rank} (counted among 2·cp chunks), so that an early chunk (little to "
@@ -198,5 +201,5 @@ def check_ring_bytes(fn) -> None:
                                     f"{got:,.0f}, expected {want:,.0f}: {why}.")
         raise ExerciseError(f"{name}: for B={batch}, S={seq}, Hkv={hkv}, Dh={dh}, cp={n}, b={b} you gave {got:,.0f}, "
                             f"expected {want:,.0f}. KV = B·Hkv·(S/cp)·Dh·b; forward (cp-1)·2KV; backward "
-                            "(cp-1)·2KV for the blocks and cp·2KV for their gradients.")
+                            "(cp-1)·2KV for the blocks and cp·2KV for their gradients: (3cp-2)·2KV in all.")
     passed(name, "three shapes, LLaMA-3-8B at 128K tokens among them")
