@@ -52,6 +52,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # flat: the gradients of ``params`` side by side
     offsets: list[int]
+    views: list[torch.Tensor]  # each parameter's slice of ``buffer``, shaped like the parameter
     ready: int = 0
     handle: comm.Handle | None = field(default=None, repr=False)
     unused_here: list[int] = field(default_factory=list)  # positions of the params this rank did not use
@@ -98,7 +99,8 @@ class DistributedDataParallel(GradientSync, nn.Module):
             sizes = [p.numel() for p in group_params]
             offsets = [sum(sizes[:j]) for j in range(len(sizes))]
             buffer = torch.zeros(sum(sizes), dtype=group_params[0].dtype, device=group_params[0].device)
-            self.buckets.append(Bucket(i, group_params, buffer, offsets))
+            views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(group_params, offsets)]
+            self.buckets.append(Bucket(i, group_params, buffer, offsets, views))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next_bucket = 0  # the next bucket to launch, so they go out in order
         for p in params:
@@ -134,28 +136,19 @@ class DistributedDataParallel(GradientSync, nn.Module):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        # average = sum of (grad / n): each gradient is divided on its way into the bucket (one pass)
-        bucket.unused_here = []
-        for i, (p, view) in enumerate(zip(bucket.params, self._views(bucket))):
-            if p.grad is None:  # took no part in this forward: -0.0 says so (see the top)
-                view.fill_(-0.0)
-                bucket.unused_here.append(i)
-                continue
-            if p.grad.data_ptr() != view.data_ptr():  # a fresh gradient from autograd: into the bucket
-                torch.div(p.grad, self.world_size, out=view)
+        # average = sum of (grad / n): the whole bucket is divided at once, before the all-reduce
+        bucket.unused_here = [i for i, p in enumerate(bucket.params) if p.grad is None]  # see the top
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # a fresh gradient from autograd
+                view.copy_(p.grad)
                 p.grad = view  # from now on backward accumulates in the bucket itself
-            else:  # backward accumulated in the bucket already
-                view.div_(self.world_size)
-            view.add_(0.0)  # used here: never -0.0 (see the top)
+        bucket.buffer.div_(self.world_size).add_(0.0)  # used here: never -0.0 (see the top)
+        for i in bucket.unused_here:  # took no part in this forward: -0.0 says so
+            bucket.views[i].fill_(-0.0)
         with _trace.tagged(phase="backward"):  # the gradients' all-reduce, whenever it is launched
             bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
                                             label=f"ddp/bucket{bucket.index}", async_op=True)
         self._next_bucket += 1
-
-    @staticmethod
-    def _views(bucket: Bucket) -> list[torch.Tensor]:
-        """Each parameter's slice of the bucket, shaped like the parameter."""
-        return [bucket.buffer[offset:offset + p.numel()].view_as(p) for p, offset in zip(bucket.params, bucket.offsets)]
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
@@ -165,9 +158,8 @@ class DistributedDataParallel(GradientSync, nn.Module):
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
             bucket.handle.wait()
-            views = self._views(bucket) if bucket.unused_here else ()
             for i in bucket.unused_here:  # a parameter used here is used: only these can be unused by all
-                p, averaged = bucket.params[i], views[i]
+                p, averaged = bucket.params[i], bucket.views[i]
                 p.grad = None if used_by_no_rank(averaged) else averaged  # (used elsewhere: the average)
             bucket.ready, bucket.handle = 0, None
         self._next_bucket = 0
