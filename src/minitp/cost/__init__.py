@@ -43,6 +43,7 @@ from minitp.cost.activations import (
     attention_weight_shapes,
     block_activation_bytes,
     kv_cache_bytes,
+    llama_block_activation_bytes,
     recompute_mode,
     tiny_block_activation_bytes,
 )
@@ -140,7 +141,8 @@ __all__ = [
     "pp_step_bytes", "pp_run_bytes", "pp_stage_params", "pp_memory_per_rank", "pp_bubble_fraction",
     "pp_peak_microbatches_in_flight",
     # activations
-    "recompute_mode", "block_activation_bytes", "activation_bytes_per_rank", "tiny_block_activation_bytes",
+    "recompute_mode", "block_activation_bytes", "llama_block_activation_bytes", "activation_bytes_per_rank",
+    "tiny_block_activation_bytes",
     "kv_cache_bytes", "attention_weight_shapes",
     # threed
     "rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",

@@ -2,6 +2,11 @@
 
 Part of ``minitp.cost`` (re-exported there); builds on ``minitp.cost.strategies``. Two formulas:
 
+* ``llama_block_activation_bytes``: what a LLaMA block (RMSNorm, RoPE, grouped-query attention,
+  SwiGLU) keeps, tensor by tensor, as ``minitp.models`` builds it. With
+  ``flash_attention=False`` and fp32 it is exactly what the tiny model saves
+  (``tiny_block_activation_bytes``, checked against saved-tensor hooks by ``minitp.measure.activations``).
+
 * ``block_activation_bytes``: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", Table 2), in 16-bit, per block and micro-batch of b sequences of s tokens,
   D = hidden size, H = heads, t = tp:
@@ -13,12 +18,11 @@ Part of ``minitp.cost`` (re-exported there); builds on ``minitp.cost.strategies`
   full recomputation              2·s·b·D (the block's input; /t under sequence parallel)
   ==============================  ==============================
 
-  The 34 counts what a GPT block of their paper keeps (biases, dropout masks, GeLU, 4D MLP); a LLaMA
-  block differs in detail (SwiGLU, no dropout) but not in which terms shrink with tp. FlashAttention
-  never stores the scores: it recomputes them, so it is itself selective recomputation.
-
-* ``tiny_block_activation_bytes``: exactly what a block of ``minitp.models`` saves, tensor by tensor
-  (checked against saved-tensor hooks by ``minitp.measure.activations`` and its tests).
+  The 34 counts what a GPT-3 block keeps (LayerNorm, biases, dropout masks, GeLU, a 4D MLP). A LLaMA
+  block keeps more: SwiGLU's MLP is 3.5D wide with four saved tensors of it, and minitp's RMSNorm
+  keeps its normalised output beside its input, none of it divided by t without sequence parallel
+  (about 27 % more for LLaMA-3-70B at t = 8). FlashAttention never stores the scores: it recomputes
+  them, so it is itself selective recomputation.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from __future__ import annotations
 from minitp.cost.strategies import pp_peak_microbatches_in_flight
 from minitp.layout import check_tp_config, stage_num_blocks
 
-__all__ = ["recompute_mode", "block_activation_bytes", "activation_bytes_per_rank", "tiny_block_activation_bytes",
-           "kv_cache_bytes", "attention_weight_shapes"]
+__all__ = ["recompute_mode", "block_activation_bytes", "llama_block_activation_bytes", "activation_bytes_per_rank",
+           "tiny_block_activation_bytes", "kv_cache_bytes", "attention_weight_shapes"]
 
 
 def recompute_mode(recompute) -> str:
@@ -53,14 +57,48 @@ def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequenc
     return per_block * dtype_bytes / 2
 
 
+def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
+                                 recompute="none", flash_attention: bool = True, dtype_bytes: int = 2,
+                                 repeat_kv: bool = True) -> int:
+    """The bytes one LLaMA block of ``minitp.models`` keeps for backward on one tensor-parallel rank,
+    tensor by tensor (N = b·s tokens, D, F, H heads; p = tp under sequence parallel, else 1):
+
+    * each of the two RMSNorms: its input, its normalised output (before the weight) and 1/rms per
+      position, (2·N·D + N)/p; then the full (N, D) input of the column-parallel linears, N·D
+      (under sequence parallel the all-gathered one: minitp keeps it, Megatron gathers it again);
+    * attention: q and the heads' output, 2·N·D/t; k and v after RoPE, 2·N·D/t when repeated to the
+      H query heads (``repeat_kv``, as minitp does), 2·N·H_kv·Dh/t when a kernel reads the shared
+      heads; without FlashAttention the softmax b·(H/t)·s² and the causal mask, s² bytes (with it,
+      only a log-sum-exp per head and position, N·H/t floats, left out here: under 0.1 %);
+    * the MLP: x·W1, SiLU of it, x·W3 and their product, 4·N·F/t.
+
+    recompute: "selective" drops the s² terms (the scores are computed again); "full" keeps only the
+    block's input, N·D/p. In ``dtype_bytes`` per element (the mask: 1 byte)."""
+    recompute = recompute_mode(recompute)
+    n, d, f, p = micro_batch * seq, cfg.dim, cfg.ffn_hidden, tp if sequence_parallel else 1
+    if recompute == "full":
+        return n * d // p * dtype_bytes
+    norms = 2 * ((2 * n * d + n) // p + n * d)
+    kv = 2 * n * d // tp if repeat_kv else 2 * n * cfg.kv_heads * cfg.head_dim // tp
+    attention = 2 * n * d // tp + kv
+    mlp = 4 * n * f // tp
+    kept = (norms + attention + mlp) * dtype_bytes
+    if recompute == "none" and not flash_attention:
+        kept += micro_batch * (cfg.n_heads // tp) * seq * seq * dtype_bytes + seq * seq
+    return kept
+
+
 def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
                               microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
-                              recompute=False, sequence_parallel: bool = False) -> float:
-    """An estimate of the activations a rank keeps for backward under 1F1B: ``block_activation_bytes``
-    (Korthikanti et al. 2022) times the stage's blocks, times the micro-batches in flight
-    (min(pp - stage, m)). recompute: False / "none", "selective" or True / "full"."""
-    per_block = block_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention,
-                                       dtype_bytes)
+                              recompute=False, sequence_parallel: bool = False, formula: str = "gpt3") -> float:
+    """The activations a rank keeps for backward under 1F1B: one block's (``formula``: "gpt3",
+    Korthikanti et al.'s ``block_activation_bytes``; "llama", ``llama_block_activation_bytes``) times
+    the stage's blocks, times the micro-batches in flight (min(pp - stage, m)). recompute: False /
+    "none", "selective" or True / "full"."""
+    if formula not in ("llama", "gpt3"):
+        raise ValueError(f"formula must be 'llama' or 'gpt3', got {formula!r}")
+    block = llama_block_activation_bytes if formula == "llama" else block_activation_bytes
+    per_block = block(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention, dtype_bytes)
     in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")  # min(pp - stage, m)
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
 
@@ -68,24 +106,10 @@ def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int,
 def tiny_block_activation_bytes(cfg, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
                                 recompute: bool = False, dtype_bytes: int = 4) -> int:
     """Exactly the bytes one block of ``minitp.models`` saves for backward on one tensor-parallel rank
-    (N = B·S tokens, D, F, H heads; s = tp under sequence parallel, else 1):
-
-    * each of the two norms: its input, its normalised output (before the weight) and 1/rms per
-      position, (2·N·D + N)/s; then the full (N, D) input of the column-parallel linears, N·D
-      (under sequence parallel the all-gathered one: minitp keeps it, Megatron gathers it again in
-      backward instead);
-    * attention: q, k, v after RoPE (k and v repeated to H heads under GQA) and the heads' output,
-      4·N·D/tp; the softmax, B·(H/tp)·S²; the causal mask, S² booleans (1 byte each);
-    * the MLP: x·W1, SiLU of it, x·W3 and their product, 4·N·F/tp.
-
-    With full recomputation only the block's input is kept: N·D/s."""
-    n, d, f, s = batch * seq, cfg.dim, cfg.ffn_hidden, tp if sequence_parallel else 1
-    if recompute:
-        return n * d // s * dtype_bytes
-    norms = 2 * ((2 * n * d + n) // s + n * d)
-    attention = 4 * n * d // tp + batch * (cfg.n_heads // tp) * seq * seq
-    mlp = 4 * n * f // tp
-    return (norms + attention + mlp) * dtype_bytes + seq * seq
+    as it runs here (fp32, plain attention, K and V repeated to H heads):
+    ``llama_block_activation_bytes`` without FlashAttention; with ``recompute`` only the block's input."""
+    return llama_block_activation_bytes(cfg, batch, seq, tp, sequence_parallel, "full" if recompute else "none",
+                                        flash_attention=False, dtype_bytes=dtype_bytes)
 
 
 def attention_weight_shapes(cfg, tp: int = 1) -> dict[str, tuple[int, int]]:
