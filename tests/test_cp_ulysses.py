@@ -85,5 +85,5 @@ def test_run_cp_with_ulysses_matches_one_process_and_refuses_more_ranks_than_key
         8, 16, TINY.n_heads, TINY.kv_heads, TINY.head_dim, 2)
     with pytest.raises(ValueError, match="n_kv_heads=4 is not divisible by nproc=8"):
         runs.run_cp(nproc=8, attention="ulysses")
-    with pytest.raises(ValueError, match="attention must be one of ring, ulysses, got 'tree'"):
+    with pytest.raises(ValueError, match="attention must be one of ring, ulysses, allgather, got 'tree'"):
         cp.parallelize(minitp.models.build_model(TINY), None, attention="tree")

@@ -20,7 +20,8 @@ gradients (``minitp.cost.cp_attention_bytes``).
 
 Reading order, the textbook core first: this rank's positions, the online softmax and the blocks of
 attention, the ring (``RingAttention``), the model under context parallel (``Context``,
-``ContextParallel``). The extras after: Ulysses' all-to-all way, the measured memory wall.
+``ContextParallel``). The extras after: Ulysses' all-to-all way, LLaMA 3's all-gather way, the
+measured memory wall.
 
 Shapes: B batch, H query heads, Hkv key/value heads, Dh head dim, S sequence, Sl = S/cp local.
 """
@@ -35,7 +36,7 @@ import torch.nn as nn
 from minitp import comm, layout
 from minitp import trace as _trace
 from minitp.models.llama import causal_attention
-from minitp.regions import all_to_all_rows
+from minitp.regions import all_to_all_rows, gather_from_sequence_parallel
 from minitp.replicas import GradientSync, all_reduce_mean
 
 
@@ -288,7 +289,7 @@ class RingAttend:
         return ring_attention(q, k, v, self.group, causal=True, balanced=self.balanced, label="cp/ring")
 
 
-ATTENTIONS = ("ring", "ulysses")
+ATTENTIONS = ("ring", "ulysses", "allgather")
 
 
 class Context:
@@ -303,7 +304,8 @@ class Context:
         comm.name_group(group, "cp", unless_named=True)
         self.group, self.size, self.balanced = group, comm.group_size(group), balanced
         on = balanced and self.size > 1
-        self.attend = RingAttend(group, on) if attention == "ring" else UlyssesAttend(causal_attention, group, on)
+        self.attend = (RingAttend(group, on) if attention == "ring" else AllGatherAttend(group, on)
+                       if attention == "allgather" else UlyssesAttend(causal_attention, group, on))
 
     def positions(self, local_len: int) -> torch.Tensor:
         return local_positions(local_len, self.group, self.balanced)
@@ -407,6 +409,34 @@ class UlyssesAttend:
                    ((q, "q"), (k, "k"), (v, "v")))
         out = self.inner(q, k, v)  # (B, H/n, S, Dh): the layer's own causal attention, on its heads
         return _sequence_to_heads(out, self.group, order, "cp/ulysses/out")
+
+
+# -- extras: all-gather the keys and values (LLaMA 3) ------------------------------------------------------
+class AllGatherAttend:
+    """All-gather context parallel (LLaMA 3's way to 128K tokens, Dubey et al. 2024), in place of a
+    layer's ``attend``: every rank all-gathers the keys and values of the whole sequence, then
+    attends its own queries to them under the causal mask of their true positions; backward
+    reduce-scatters the keys' and values' gradients to the ranks that hold those positions. Per
+    attention call a rank sends (cp-1)·2KV forward and as much back (``minitp.cost.allgather_attention_bytes``):
+    fewer bytes than the ring's (3cp-2)·2KV, in two collectives that nothing overlaps here, and it
+    holds the whole sequence's keys and values (small under grouped-query attention: Hkv of H heads)."""
+
+    def __init__(self, group=None, balanced: bool = True):
+        self.group, self.balanced = group, balanced
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (B, H, Sl, Dh); k, v: (B, Hkv, Sl, Dh) -> (B, H, Sl, Dh)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
+                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+        n, Sl = comm.group_size(self.group), q.shape[2]
+        k, v = (gather_from_sequence_parallel(t, self.group, dim=2, label=f"cp/allgather/{name}")  # (B, Hkv, S, Dh)
+                for t, name in ((k, "k"), (v, "v")))
+        keys = torch.tensor([p for r in range(n) for p in layout.cp_positions(n * Sl, n, r, self.balanced)])
+        visible = (local_positions(Sl, self.group, self.balanced)[:, None] >= keys[None, :]).to(q.device)
+        k, v = _expand(k, q.shape[1] // k.shape[1]), _expand(v, q.shape[1] // v.shape[1])
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Sl, S)
+        return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
 
 
 # -- measured, for the memory wall -----------------------------------------------------------------

@@ -48,6 +48,7 @@ from minitp.cost.activations import (
     tiny_block_activation_bytes,
 )
 from minitp.cost.context import (
+    allgather_attention_bytes,
     cp3d_step_bytes,
     cp_activation_bytes_per_rank,
     cp_attention_bytes,
@@ -149,6 +150,7 @@ __all__ = [
     "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes",
     # context
     "cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes", "cp_memory_per_rank",
+    "allgather_attention_bytes",
     "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank", "cp3d_step_bytes", "cp_mesh_step_bytes",
     "ulysses_attention_bytes",
     # experts

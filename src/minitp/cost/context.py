@@ -28,7 +28,7 @@ from minitp.layout import check_divisible, cp_chunks
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
            "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
-           "cp3d_step_bytes", "cp_mesh_step_bytes", "ulysses_attention_bytes"]
+           "cp3d_step_bytes", "cp_mesh_step_bytes", "ulysses_attention_bytes", "allgather_attention_bytes"]
 
 
 def cp_kv_block_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4) -> float:
@@ -58,13 +58,24 @@ def ulysses_attention_bytes(batch: int, seq: int, n_heads: int, kv_heads: int, h
     return elements * dtype_bytes * (cp - 1) / cp * (2 if backward else 1)
 
 
+def allgather_attention_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4,
+                              backward: bool = True) -> float:
+    """Bytes one rank sends for one attention call under all-gather context parallel
+    (``minitp.cp.AllGatherAttend``): the all-gathers of keys and values, (c-1)·2KV, and with
+    ``backward`` the reduce-scatters of their gradients, (c-1)·2KV more."""
+    kv2 = 2 * cp_kv_block_bytes(batch, seq, kv_heads, head_dim, cp, dtype_bytes)
+    return (cp - 1) * kv2 * (2 if backward else 1)
+
+
 def cp_step_bytes(cfg, batch: int, seq: int, cp: int, dtype_bytes: int = 4, grad_bytes: int = 4,
                   attention: str = "ring") -> dict[str, float]:
     """Bytes one rank sends in one training step, by kind: {"ring": the attention of every layer
-    (the ring's, or with ``attention="ulysses"`` the all-to-alls'), "grads": the all-reduce of
-    every gradient over the cp group}."""
+    (the ring's; with ``attention="ulysses"`` the all-to-alls', with "allgather" the all-gathers'),
+    "grads": the all-reduce of every gradient over the cp group}."""
     if attention == "ulysses":
         per_layer = ulysses_attention_bytes(batch, seq, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
+    elif attention == "allgather":
+        per_layer = allgather_attention_bytes(batch, seq, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
     else:
         per_layer = cp_attention_bytes(batch, seq, cfg.kv_heads, cfg.head_dim, cp, dtype_bytes)
     return {"ring": cfg.n_layers * per_layer,

@@ -34,9 +34,10 @@ def _cp_worker(model_name: str, train: TrainConfig, balanced: bool, attention: s
             optimizer.step()
         times.append(time.perf_counter() - t0)
         losses.append(value.item())
-    # the attention's messages: the ring's sends and receives, or Ulysses' all-to-alls (the gradients' mean
-    # over cp is the one all-reduce)
-    ring = [e for e in _trace.current().comm() if e.op in ("send", "recv", "all_to_all")]
+    # the attention's messages: the ring's sends and receives, Ulysses' all-to-alls or the keys' and values'
+    # all-gathers and reduce-scatters (the gradients' mean over cp is the one all-reduce)
+    attention_ops = ("send", "recv", "all_to_all", "all_gather", "reduce_scatter")
+    ring = [e for e in _trace.current().comm() if e.op in attention_ops]
     return worker_summary(losses, times, held_bytes(model.parameters(), optimizer), state=state_of(model),
                           ring_bytes=sum(e.sent_bytes for e in ring))
 
@@ -46,9 +47,10 @@ def run_cp(nproc: int = 4, steps: int = 4, balanced: bool = True, model: str = "
            timeout: float = 300.0, attention: str = "ring") -> Report:
     """Train the whole model with ``minitp.cp`` over ``nproc`` ranks (every rank the whole batch,
     S/nproc of each sequence; attention as a ring, or ``attention="ulysses"``: all-to-alls of the
-    heads) and report it against the oracles: one process and the formulas (PyTorch's own
+    heads, or ``"allgather"``: the keys and values all-gathered) and report it against the oracles:
+    one process and the formulas (PyTorch's own
     ``context_parallel`` needs CUDA's SDPA kernels, so it is not one here). ``ring_bytes``: the
-    attention's messages (the ring's, or Ulysses' all-to-alls)."""
+    attention's messages (the ring's, Ulysses' all-to-alls or the all-gathers)."""
     train = check_run("cp", locals(), data_parallel=1)
     cfg = get_config(model)
     if attention == "ulysses":
@@ -74,6 +76,7 @@ def run_cp(nproc: int = 4, steps: int = 4, balanced: bool = True, model: str = "
 
 register(Strategy("cp", run_cp, "context parallel: the sequence split over the ranks, attention as a ring", (
     Option("balanced", bool, True, "contiguous slices instead of load-balanced chunks i and 2n-1-i", negate=True),
-    Option("attention", str, "ring", "ring: keys and values passed round; ulysses: all-to-alls of the heads",
+    Option("attention", str, "ring", "ring: keys and values passed round; ulysses: all-to-alls of the heads; "
+           "allgather: every rank gathers all keys and values",
            choices=cp.ATTENTIONS),
 )))
