@@ -263,3 +263,45 @@ def test_tree_broadcast_passes(capsys):
 def test_tree_broadcast_mistakes_caught(fn, message):
     with pytest.raises(ExerciseError, match=message):
         ch00.check_tree_broadcast(fn, runs=((4, 0),))
+
+
+# -- what the chapter says at real scale, recomputed from the hardware sheet ----------------------
+def _chapter(name: str, kind: str) -> str:
+    """A chapter's Markdown (kind "markdown"), whitespace collapsed, or its stored text outputs (kind "outputs")."""
+    import json
+    from pathlib import Path
+
+    cells = json.loads((Path(__file__).parent.parent / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    if kind == "outputs":
+        return "\n".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", []))
+    return " ".join(" ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown").split())
+
+
+def test_chapter_00_llama3_8b_gradients_take_0_06_s_on_nvlink_and_0_63_s_on_infiniband():
+    from minitp import cost
+    from minitp.models import LLAMA3_8B
+
+    grads = 2 * LLAMA3_8B.num_params()  # bf16
+    sent = {n: cost.collective_sent_bytes("all_reduce", grads, n) for n in (8, 64)}
+    seconds = {8: sent[8] / cost.H100.intra.bytes_per_s, 64: sent[64] / cost.H100.inter.bytes_per_s}
+    assert (cost.H100.intra.bytes_per_s, cost.H100.inter.bytes_per_s) == (450e9, 50e9)
+    assert [round(sent[n] / 1e9) for n in (8, 64)] == [28, 32]
+    assert [round(seconds[n], 2) for n in (8, 64)] == [0.06, 0.63]
+    assert round(cost.H100.intra.bytes_per_s / cost.H100.inter.bytes_per_s) == 9
+    assert round(seconds[64] / seconds[8]) == 10
+    text, outputs = _chapter("00_collectives", "markdown"), _chapter("00_collectives", "outputs")
+    assert "About 28 GB sent by every GPU, every step, on 8 GPUs, and 32 GB on 64" in text
+    assert ("over NVLink, that is about 0.06 s; across machines, at a ninth of the bandwidth, 0.63 s per step, "
+            "ten times as long") in text
+    for n, link in ((8, cost.H100.intra), (64, cost.H100.inter)):
+        assert (f"n = {n:>2}: each GPU sends {sent[n] / 1e9:5.2f} GB per step, {seconds[n]:.2f} s on {link.name} "
+                f"at {link.bytes_per_s / 1e9:.0f} GB/s") in outputs
+    assert f"InfiniBand has 1/9 of NVLink's bandwidth: the 64 GPUs' all-reduce takes {seconds[64] / seconds[8]:.1f}" \
+        in outputs
+
+
+def test_chapter_00_says_once_what_gb_gib_and_a_links_bandwidth_are():
+    text = _chapter("00_collectives", "markdown")
+    said = ("**GB is $10^9$ bytes and GiB $2^{30}$ bytes, and a link's bandwidth is per GPU and per direction**")
+    assert text.count(said) == 1
+    assert "GB is $10^9$" not in _chapter("01_ddp", "markdown")  # said once, in chapter 00

@@ -170,3 +170,33 @@ def test_parallel_attention_mistakes_caught(kwargs, message):
 
     with pytest.raises(ExerciseError, match=message):
         ch03.check_parallel_attention(answer, nprocs=(2,))
+
+
+# -- what the chapter says at real scale, recomputed from the hardware sheet ----------------------
+def _chapter(name: str, kind: str) -> str:
+    """A chapter's Markdown (kind "markdown"), whitespace collapsed, or its stored text outputs (kind "outputs")."""
+    import json
+    from pathlib import Path
+
+    cells = json.loads((Path(__file__).parent.parent / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    if kind == "outputs":
+        return "\n".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", []))
+    return " ".join(" ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown").split())
+
+
+def test_chapter_03_llama3_8b_tensor_parallel_bytes_take_nine_times_as_long_over_infiniband():
+    from minitp import cost
+    from minitp.models import LLAMA3_8B
+
+    nvlink, infiniband = cost.H100.intra.bytes_per_s, cost.H100.inter.bytes_per_s
+    step = {n: LLAMA3_8B.n_layers * cost.tp_block_bytes(1, 8192, LLAMA3_8B.dim, n, dtype_bytes=2) for n in (2, 4, 8)}
+    assert round(step[8] / 1e9) == 15
+    assert [round(step[n] / nvlink * 1e3, 1) for n in (2, 4, 8)] == [19.1, 28.6, 33.4]
+    assert [round(step[n] / infiniband * 1e3, 1) for n in (2, 4, 8)] == [171.8, 257.7, 300.6]
+    assert round(nvlink / infiniband) == 9 and (nvlink, infiniband) == (450e9, 50e9)
+    text, outputs = _chapter("03_tensor_parallel", "markdown"), _chapter("03_tensor_parallel", "outputs")
+    assert "At n = 8 that is 15 GB per rank per training step of one 8192-token sequence" in text
+    assert "the same bytes take nine times as long (InfiniBand's 50 GB/s against NVLink's 450 GB/s)" in text
+    for n in (2, 4, 8):
+        assert (f"n = {n}: {step[n] / 1e9:5.2f} GB per rank per step: {step[n] / nvlink * 1e3:5.1f} ms of transfer at "
+                f"450 GB/s, {step[n] / infiniband * 1e3:5.1f} ms at 50 GB/s") in outputs

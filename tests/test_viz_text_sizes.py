@@ -90,8 +90,9 @@ def _chapter_01(r):
                                                     title="one DDP step on 2 ranks"),
         "loss_curve": timeline.loss_curve(report, title="DDP on 4 ranks against one process"),
         "memory_bars": timeline.memory_bars(report, title="what each of 4 DDP ranks holds"),
-        "memory_bars with a limit": timeline.memory_bars(_memory(1, 1e5), names=["LLaMA-3-8B, DDP"], limit=80e9,
-                                                         limit_label="one GPU: 80 GB", width=4.5, title="per GPU"),
+        "memory_bars with a limit": timeline.memory_bars(_memory(1, 1e5), names=["LLaMA-3-8B, DDP"],
+                                                         limit=cost.H100.memory_bytes, limit_label="one H100: 80 GiB",
+                                                         width=4.5, title="per GPU"),
     }
 
 

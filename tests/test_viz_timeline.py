@@ -118,10 +118,11 @@ def test_memory_bars_measured_next_to_formula(report):
 
 def test_memory_bars_limit_line():
     m = cost.memory_per_rank(8_030_261_248, precision="bf16")
-    fig = memory_bars([m], names=["8B"], limit=80e9, limit_label="80 GB")
+    hbm = cost.H100.memory_bytes  # 80 GiB
+    fig = memory_bars([m], names=["8B"], limit=hbm, limit_label="one H100: 80 GiB")
     ax = fig.axes[0]
     assert [line.get_gid() for line in ax.lines] == ["limit"]
-    assert ax.lines[0].get_ydata()[0] == pytest.approx(80)
+    assert ax.lines[0].get_ydata()[0] == pytest.approx(85.90, abs=0.01)  # drawn in GB: 80·2**30 bytes
     total = sum(_by_gid(fig, "held:0:")[f"held:0:{k}"].get_height() for k in ("params", "grads", "optimizer"))
     assert total == pytest.approx(128.48, abs=0.01)
 
