@@ -12,6 +12,8 @@
   binomial tree of sends and receives (the ranks that have it double each round). Run on 4 ranks from
   rank 0 and on 6 from rank 2; compared with ``comm.broadcast``, and the trace with the tree: each
   rank receives once, and no path from ``src`` is longer than ⌈log2 n⌉ messages.
+* ``check_problem(n, answer)``: worked problems 1-3, estimates from the hardware sheet
+  (``minitp.cost.H100``) checked against ``minitp.cost`` within 5 % (``minitp.exercises.problems``).
 
 The inputs are small random integers stored as floats, so every sum is exact whatever order the
 additions run in, and a wrong value can be traced back to which ranks' data it holds.
@@ -25,7 +27,8 @@ import math
 import torch
 
 from minitp import comm, cost, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, problems, run_answer
+from minitp.exercises.problems import Problem
 
 _P2P = ("send", "recv")
 _ANSWER = "answer"  # the scope the learner's calls are traced under
@@ -302,3 +305,37 @@ def check_tree_broadcast(fn, runs: tuple[tuple[int, int], ...] = ((4, 0), (6, 2)
                                 "that has the data sends it on, so the number that have it doubles.")
     passed(name, f"matches broadcast on {' and '.join(str(n) for n, _ in runs)} ranks; every rank received "
                  "once, at most ⌈log2 n⌉ messages from src")
+
+
+# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------------------
+def _latency_equals_bandwidth_mb() -> float:
+    """B at which an all-reduce's α term, 2(n-1)α, equals its bandwidth term, 2(n-1)/n · B/β: B = n·α·β."""
+    link = cost.H100.intra
+    return 8 * link.alpha_s * link.bytes_per_s / 1e6
+
+
+def _reduce_scatter_8b_s() -> float:
+    """A ring reduce-scatter of LLaMA-3-8B's bf16 gradients over 64 GPUs on InfiniBand."""
+    from minitp.models import LLAMA3_8B
+
+    return cost.collective_time("reduce_scatter", 2 * LLAMA3_8B.num_params(), 64, cost.H100.inter)
+
+
+def _ring_latency_1024_ms() -> float:
+    """The α term alone of a ring all-reduce over 1024 GPUs on InfiniBand: 2(n-1) steps of α."""
+    return 2 * (1024 - 1) * cost.H100.inter.alpha_s * 1e3
+
+
+PROBLEMS = {
+    1: Problem("problem 1, latency against bandwidth", _latency_equals_bandwidth_mb, "MB",
+               {1 / 8: "the bandwidth term of one step carries one chunk, B/n, not B"}),
+    2: Problem("problem 2, a reduce-scatter over InfiniBand", _reduce_scatter_8b_s, "s",
+               {2.0: "that is the all-reduce: a reduce-scatter is one of its two phases"}),
+    3: Problem("problem 3, the latency of a long ring", _ring_latency_1024_ms, "ms",
+               {0.5: "an all-reduce is two rings, reduce-scatter then all-gather"}),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 00: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)

@@ -13,6 +13,8 @@
   with its heads split over the ranks, from the full weights. Run on 2 and 4 ranks; output and every
   gradient compared with one process and ``minitp.tp.ParallelAttention``, messages with f's and g's
   all-reduces (``minitp.exercises.heads``).
+* ``check_problem(n, answer)``: worked problems 1-3, estimates from the hardware sheet
+  (``minitp.cost.H100``) checked against ``minitp.cost`` within 5 % (``minitp.exercises.problems``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import math
 import torch
 
 from minitp import cost, regions, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, problems, run_answer
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
+from minitp.exercises.problems import Problem
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
 TOL = 1e-5
@@ -290,3 +293,53 @@ def check_parallel_attention(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
     name = "attention split by heads"
     detail = check_heads(fn, name, [(4, 4)], nprocs, with_kv=False)
     passed(name, detail)
+
+
+# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------------------
+def block_params(cfg) -> int:
+    """The weights of one block's matrices: W_Q, W_K, W_V, W_O (grouped-query) and SwiGLU's three."""
+    attention = sum(i * o for i, o in cost.attention_weight_shapes(cfg).values())
+    return attention + 3 * cfg.dim * cfg.ffn_hidden
+
+
+def _comm_over_compute(cfg, tp: int, seq: int = 8192) -> float:
+    """One block, one sequence, bf16: seconds of tensor parallel's all-reduces on NVLink (bandwidth
+    only) over seconds of the rank's share of the block's training FLOPs, 6·Ψ_block + 12·D·S per token."""
+    device = cost.H100
+    sent = cost.tp_block_bytes(1, seq, cfg.dim, tp, dtype_bytes=2) / device.intra.bytes_per_s
+    flops = seq * (6 * block_params(cfg) + 12 * cfg.dim * seq) / tp
+    return sent / cost.compute_time(flops, device)
+
+
+def _ratio_8b() -> float:
+    from minitp.models import LLAMA3_8B
+
+    return _comm_over_compute(LLAMA3_8B, 8)
+
+
+def _ratio_70b() -> float:
+    from minitp.models import LLAMA3_70B
+
+    return _comm_over_compute(LLAMA3_70B, 8)
+
+
+def _attention_equals_weights_seq() -> float:
+    """S at which attention's 12·D·S FLOPs per token equal the block's weights' 6·Ψ_block."""
+    from minitp.models import LLAMA3_8B
+
+    return block_params(LLAMA3_8B) / (2 * LLAMA3_8B.dim)
+
+
+PROBLEMS = {
+    1: Problem("problem 1, tensor parallel's messages against its compute", _ratio_8b, "",
+               {0.5: "forward and backward: each of the block's two pairs all-reduces once each way",
+                2.0: "a block has two pairs (attention, MLP), each one all-reduce forward and one backward: 4 in all"}),
+    2: Problem("problem 2, a wider model", _ratio_70b, ""),
+    3: Problem("problem 3, when attention outweighs the weights", _attention_equals_weights_seq, "tokens",
+               {2.0: "6 FLOPs per weight against 12·D·S: S = Ψ_block / (2D)"}),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 03: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)
