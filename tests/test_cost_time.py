@@ -288,7 +288,7 @@ def test_the_planner_times_its_layouts_on_the_sheets_h100():
     assert slower["device"] == cost.A100.name and slower["step_s"] > 2 * row["step_s"]
 
 
-CHAPTERS = ("01_ddp", "02_fsdp", "04_swiglu_attention", "06_3d")
+CHAPTERS = ("00_collectives", "01_ddp", "02_fsdp", "03_tensor_parallel", "04_swiglu_attention", "06_3d")
 RATE = r"(\d[\d,]*(?:\.\d+)?)\s*(TFLOP/s|TB/s|GB/s|Gb/s)"
 
 
@@ -398,3 +398,88 @@ def test_chapter_06_quotes_the_readmes_calibration_figures():
     predicted_measured = chapter.groups()
     for i in range(0, 8, 2):  # each strategy: the same measured median and the same prediction
         assert (measured_predicted[i], measured_predicted[i + 1]) == (predicted_measured[i + 1], predicted_measured[i])
+
+
+# -- the fixed costs of this machine: per step, per micro-batch, per small operation; ranks beyond the cores --
+FREE = cost.Device("fixed costs only", flops_per_s=1e30, intra=LINK, inter=LINK, gpus_per_node=8,
+                   overhead_s=0.004, microbatch_overhead_s=0.003, op_s=3e-6)  # FLOPs take no time here
+
+
+def test_a_pipeline_pays_the_forward_backward_fixed_cost_per_micro_batch_and_the_optimizers_once():
+    one = cost.step_time(TINY, 8, 16, device=FREE)
+    assert one.compute_s == pytest.approx(0.004 + 0.003)
+    # 2 stages of 8 micro-batches: each stage runs half the model, 8 forward+backward passes and one step
+    piped = cost.step_time(TINY, 8, 16, pp=2, microbatches=8, device=FREE)
+    assert piped.compute_s == pytest.approx((8 * 0.003 + 0.004) / 2)
+    assert piped.bubble_s == pytest.approx(piped.compute_s / 8)
+
+
+def test_a_calibration_from_before_the_micro_batch_cost_charges_its_overhead_per_micro_batch():
+    old = cost.device_from_calibration(FIXTURE)  # step_overhead_s only, as minitp calibrate stored it then
+    assert (old.overhead_s, old.microbatch_overhead_s, old.op_s, old.shared_link) == (0.0, 0.01, 0.0, None)
+    new = cost.device_from_calibration({**FIXTURE, "microbatch_overhead_s": 0.003, "op_s": 3e-6,
+                                        "alpha_shared_s": 8e-5, "bytes_per_s_shared": 5e8, "shared_slowdown": 1.8})
+    assert (new.overhead_s, new.microbatch_overhead_s, new.op_s) == (0.01, 0.003, 3e-6)
+    assert (new.shared_link.alpha_s, new.shared_link.bytes_per_s, new.shared_slowdown) == (8e-5, 5e8, 1.8)
+
+
+def test_ring_attention_adds_operations_per_piece_of_work_and_per_ring_step():
+    from minitp.cost.time import RING_OPS, strategy_ops
+
+    piece, masked, step, block = RING_OPS["piece"], RING_OPS["masked_piece"], RING_OPS["step"], RING_OPS["block"]
+    # seq 16 on 2 ranks, load-balanced: rank 0 holds chunks 0 and 3 (of 4 positions). Against its own:
+    # (0,0) and (3,3) masked, (3,0) whole, (0,3) nothing; against rank 1's chunks 1 and 2: (3,1), (3,2) whole
+    assert strategy_ops(TINY, 16, cp=2) == TINY.n_layers * (3 * piece + 2 * masked + 2 * step + block)
+    # contiguous halves: rank 1's queries see all of rank 0's keys and a masked diagonal of its own
+    assert strategy_ops(TINY, 16, cp=2, balanced=False) == TINY.n_layers * (piece + masked + 2 * step + block)
+    assert strategy_ops(TINY, 16) == 0  # the plain model: nothing added
+    # a diagonal pair longer than a tile is cut in four: two masked quarters, one whole, one skipped
+    from minitp.cost.time import _pieces
+    assert _pieces(range(0, 128), range(0, 128)) == (1, 2) and _pieces(range(0, 64), range(0, 64)) == (0, 1)
+
+
+def test_a_moe_adds_its_routing_each_local_experts_work_and_with_ep_the_dispatch():
+    from minitp.cost.time import MOE_OPS, strategy_ops
+
+    moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
+    routing, expert, dispatch = MOE_OPS["routing"], MOE_OPS["expert"], MOE_OPS["dispatch"]
+    assert strategy_ops(moe, 16) == TINY.n_layers * (routing + 8 * expert)
+    assert strategy_ops(moe, 16, ep=2) == TINY.n_layers * (routing + 4 * expert + dispatch)
+    assert strategy_ops(moe, 16, ep=4) == TINY.n_layers * (routing + 2 * expert + dispatch)
+
+
+def test_the_added_operations_cost_op_s_each_on_the_stages_share_and_nothing_on_a_gpu():
+    from minitp.cost.time import strategy_ops
+
+    plain = cost.step_time(TINY, 8, 16, cp=2, device=FREE)
+    assert plain.ops_s == pytest.approx(strategy_ops(TINY, 16, cp=2) * 3e-6)
+    assert plain.compute_s == pytest.approx(0.004 + 0.003 + plain.ops_s)
+    moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
+    piped = cost.step_time(moe, 8, 16, pp=2, microbatches=4, device=FREE)
+    assert piped.ops_s == pytest.approx(4 * strategy_ops(moe, 16) * 3e-6 / 2)
+    assert cost.step_time(moe, 8, 16, dp=2, ep=2, device=cost.H100).ops_s == 0.0  # op_s 0: hidden launches
+
+
+SHARED = cost.Link("4 ranks on 2 cores", alpha_s=3e-6, bytes_per_s=500.0)
+
+
+def test_ranks_beyond_the_cores_slow_compute_and_messages_as_calibrate_measured_them():
+    import dataclasses
+
+    from minitp.cost.time import _shared_cores, link_on_machine
+
+    even = dataclasses.replace(CPU, cores=2)
+    assert [_shared_cores(even, r) for r in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 4.0]  # ranks/cores
+    measured = dataclasses.replace(CPU, cores=2, shared_slowdown=1.8, shared_link=SHARED)
+    assert [_shared_cores(measured, r) for r in (2, 3, 4, 6)] == pytest.approx([1.0, 1.4, 1.8, 2.6])
+    # α and 1/β on the line through the figures at a core per rank and at twice as many ranks as cores
+    assert link_on_machine(LINK, measured, 2) is LINK and link_on_machine(LINK, even, 8) is LINK
+    at4, at6 = link_on_machine(LINK, measured, 4), link_on_machine(LINK, measured, 6)
+    assert (at4.alpha_s, at4.bytes_per_s) == (pytest.approx(3e-6), pytest.approx(500.0))
+    assert at6.alpha_s == pytest.approx(1e-6 + 2 * 2e-6) and 1 / at6.bytes_per_s == pytest.approx(1e-3 + 2 * 1e-3)
+    # DDP on 4 ranks of 2 cores: the all-reduce at the shared link's figures, the compute 1.8x
+    t = cost.step_time(TINY, 8, 16, dp=4, device=measured, buckets=1, precision="fp32")
+    alone = cost.step_time(TINY, 8, 16, dp=4, device=dataclasses.replace(measured, cores=None), buckets=1,
+                           precision="fp32")
+    assert t.compute_s == pytest.approx(1.8 * alone.compute_s)
+    assert t.dp_s == pytest.approx(cost.collective_time("all_reduce", 4 * TINY.num_params(), 4, SHARED))

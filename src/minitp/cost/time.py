@@ -41,11 +41,12 @@ from minitp.cost.context import cp_mesh_step_bytes
 from minitp.cost.experts import active_params, check_ep, ep_mesh_step_bytes
 from minitp.cost.strategies import collective_sent_bytes
 from minitp.cost.threed import rank_num_blocks
-from minitp.layout import check_positive
+from minitp.layout import check_positive, cp_chunks
 
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
            "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime",
-           "step_time", "arithmetic_intensity", "overlap_budget_bytes"]
+           "step_time", "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops",
+           "link_on_machine"]
 
 
 # -- devices -------------------------------------------------------------------------------------
@@ -68,9 +69,20 @@ class Device:
     intra / inter: the link inside one machine and between machines, per GPU, per direction;
     memory_bytes / memory_bytes_per_s: the GPU's HBM, how much it holds and how fast it is read
     (flops_per_s / memory_bytes_per_s is the arithmetic intensity above which a kernel is compute-bound);
-    overhead_s: what a step costs beyond its FLOPs (Python, autograd, the optimizer's loop over
-    tensors): measured on this machine, where the tiny model's step is mostly that; 0 for the GPU
-    presets, whose large kernels hide their launches.
+    overhead_s: what a step costs once beyond its FLOPs and its micro-batches (the optimizer's loop
+    over tensors, zeroing the gradients): measured by ``minitp calibrate`` as the tiny model's step
+    at one micro-batch less its FLOPs and its micro-batch's fixed cost; 0 for the GPU presets, whose
+    large kernels hide their launches (as for the three figures below);
+    microbatch_overhead_s: what each forward+backward costs beyond its FLOPs (Python, autograd,
+    a few hundred small operations): measured as the growth of the tiny model's step from one
+    micro-batch to eight, per micro-batch added;
+    op_s: the fixed cost of one small tensor operation, for the operations a strategy adds to the
+    plain model's (``strategy_ops``): measured as ``microbatch_overhead_s`` over the number of
+    operations the tiny model's forward+backward dispatches (counted by ``minitp calibrate``);
+    shared_link: the link as measured with twice as many ranks as cores (all-reduces at 2·cores
+    ranks), what messages cost when ranks wait for a core (``link_on_machine``); None: not measured;
+    shared_slowdown: how many times slower the same compute ran at 2·cores ranks than at ``cores``
+    ranks, measured beside ``shared_link`` (None: ranks/cores, the cores shared evenly).
     """
 
     name: str
@@ -81,8 +93,12 @@ class Device:
     memory_bytes: float = 80 * 2**30
     efficiency: float = 1.0
     cores: int | None = None  # CPU only: ranks beyond this many share the cores (this machine)
-    overhead_s: float = 0.0  # fixed seconds per forward+backward+step of a whole model and micro-batch
+    overhead_s: float = 0.0  # fixed seconds per step of a whole model, beyond its micro-batches
     memory_bytes_per_s: float = 0.0  # HBM bandwidth (0: not known, as for this machine's calibration)
+    microbatch_overhead_s: float = 0.0  # fixed seconds per forward+backward of a whole model and micro-batch
+    op_s: float = 0.0  # fixed seconds per small tensor operation a strategy adds
+    shared_link: Link | None = None  # CPU only: the link measured at 2·cores ranks
+    shared_slowdown: float | None = None  # CPU only: compute at 2·cores ranks against at cores ranks
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -108,11 +124,21 @@ DEVICES = {"h100": H100, "a100": A100}
 # Reading them from where they are stored (and checking them) is ``minitp.measure.calibrate``'s: nothing here
 # touches a file. A calibration is a dict of figures, handed in.
 def device_from_calibration(cal: dict) -> Device:
-    """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links)."""
+    """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links), the
+    fixed costs of a step, of a micro-batch and of one small operation, and the link and compute as
+    measured with twice as many ranks as cores. A calibration from before ``microbatch_overhead_s``
+    was measured charges its whole ``step_overhead_s`` per micro-batch, as the time model then did."""
     link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
+    shared = None
+    if cal.get("alpha_shared_s") is not None and cal.get("bytes_per_s_shared") is not None:
+        shared = Link("gloo loopback, 2 ranks per core", cal["alpha_shared_s"], cal["bytes_per_s_shared"])
+    step, microbatch = cal.get("step_overhead_s", 0.0), cal.get("microbatch_overhead_s")
+    if microbatch is None:
+        step, microbatch = 0.0, step
     return Device("this machine (" + cal.get("name", "calibrated") + ")", cal["flops_per_s"], link, link,
                   gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0), efficiency=1.0,
-                  cores=cal.get("cores"), overhead_s=cal.get("step_overhead_s", 0.0))
+                  cores=cal.get("cores"), overhead_s=step, microbatch_overhead_s=microbatch,
+                  op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"))
 
 
 # -- compute ----------------------------------------------------------------------------------------
@@ -136,14 +162,88 @@ def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
 
 
 def _shared_cores(device: Device, ranks_on_machine: int) -> float:
-    """How many times slower a rank runs when the ranks outnumber the cores (CPU only)."""
-    return max(1.0, ranks_on_machine / device.cores) if device.cores else 1.0
+    """How many times slower a rank runs when the ranks outnumber the cores (CPU only): ranks/cores,
+    or, where ``minitp calibrate`` measured it (``shared_slowdown``, at 2·cores ranks), the line through
+    1 at ``cores`` ranks and that measurement."""
+    if not device.cores or ranks_on_machine <= device.cores:
+        return 1.0
+    over = ranks_on_machine / device.cores - 1  # 1 at twice as many ranks as cores
+    return 1 + over * ((device.shared_slowdown or 2.0) - 1)
+
+
+def link_on_machine(link: Link, device: Device, ranks_on_machine: int) -> Link:
+    """The link as ranks that outnumber the cores see it (CPU only): a rank waiting for a message
+    waits for its sender to get a core. α and 1/β on the line through the link's figures at ``cores``
+    ranks and ``shared_link``'s at 2·cores (both measured by ``minitp calibrate``); ``link`` itself
+    with a core per rank or no ``shared_link``."""
+    shared = device.shared_link
+    if shared is None or not device.cores or ranks_on_machine <= device.cores:
+        return link
+    over = ranks_on_machine / device.cores - 1
+    alpha = link.alpha_s + over * (shared.alpha_s - link.alpha_s)
+    seconds_per_byte = 1 / link.bytes_per_s + over * (1 / shared.bytes_per_s - 1 / link.bytes_per_s)
+    return Link(link.name + f", {ranks_on_machine} ranks on {device.cores} cores", max(0.0, alpha),
+                1 / max(seconds_per_byte, 1e-30))
 
 
 def compute_time(flops: float, device: Device, ranks_on_machine: int = 1) -> float:
     """Seconds to do ``flops`` at the device's rate; on a CPU with fewer cores than ranks, the ranks
     share them (each gets cores/ranks of one)."""
     return flops / (device.flops_per_s * device.efficiency) * _shared_cores(device, ranks_on_machine)
+
+
+# -- the small operations a strategy adds ---------------------------------------------------------------
+# Tensor operations (forward and backward together) that context and expert parallel add to the plain
+# model's, per block and micro-batch, counted on minitp's own code: every operation a forward+backward
+# dispatches, counted (TorchDispatchMode) under the strategy and for the plain model, rank by rank at 2
+# and 4 ranks, and split into the units below by least squares, rounded. Counts, not times: the totals
+# are within 2 % of what ``benchmarks/time_model.py --count-ops`` counts.
+# ring attention: per piece of work (a pair of query and key chunks that has any, cut as ``cp._pairs``
+# cuts it) its scores, online-softmax update and their gradients, 104, and 37 more where a causal mask
+# is built and applied; per ring step the hand-over of keys and values (and of their gradients) and
+# the grouped heads' expansion, 40; per block, the ring's set-up less the plain attention it replaces, -38.
+# MoE: per layer the router (its softmax, top-k, capacity and auxiliary loss), 46; per expert this rank
+# holds, the gather of its rows, its SwiGLU and the scatter back, 45; with ep > 1 the dispatch and
+# combine (sorting by expert, the counts, the regrouping by source rank), 73.
+RING_OPS = {"piece": 104, "masked_piece": 104 + 37, "step": 40, "block": -38}
+MOE_OPS = {"routing": 46, "expert": 45, "dispatch": 73}
+TILE = 64  # a diagonal pair longer than this is cut in four (``minitp.cp.TILE``)
+
+
+def _pieces(queries: range, keys: range) -> tuple[int, int]:
+    """(unmasked, masked) pieces of work of a causal (query chunk, key chunk) pair, as ``minitp.cp``
+    cuts them: all of it (keys before the queries), none (keys after), or a masked diagonal, cut in
+    four when longer than TILE (its upper-right quarter skipped, its lower-left unmasked)."""
+    if keys.stop <= queries.start:
+        return 1, 0
+    if keys.start > queries.stop - 1:
+        return 0, 0
+    if queries == keys and len(queries) > TILE:
+        h = len(queries) // 2
+        lo, hi = range(queries.start, queries.start + h), range(queries.start + h, queries.stop)
+        (a, b), (c, d) = _pieces(lo, lo), _pieces(hi, hi)
+        return a + c + 1, b + d
+    return 0, 1
+
+
+def strategy_ops(cfg, seq: int, cp: int = 1, ep: int = 1, balanced: bool = True) -> int:
+    """Small tensor operations (forward and backward) that ring attention over cp ranks and a MoE's
+    routing, experts and all-to-alls over ep ranks add to the plain model's, per micro-batch of the
+    whole model, on its busiest rank (``RING_OPS``, ``MOE_OPS``). Each costs ``Device.op_s``."""
+    ops = 0
+    if cp > 1:
+        chunks = [cp_chunks(seq, cp, r, balanced) for r in range(cp)]
+        per_block = []
+        for rank in range(cp):
+            pieces = [_pieces(q, k) for source in range(cp) for q in chunks[rank] for k in chunks[source]]
+            unmasked, masked = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
+            per_block.append(RING_OPS["piece"] * unmasked + RING_OPS["masked_piece"] * masked
+                             + RING_OPS["step"] * cp + RING_OPS["block"])
+        ops += cfg.n_layers * max(per_block)
+    if hasattr(cfg, "n_experts"):
+        local = cfg.n_experts // ep
+        ops += cfg.n_layers * (MOE_OPS["routing"] + MOE_OPS["expert"] * local + (MOE_OPS["dispatch"] if ep > 1 else 0))
+    return ops
 
 
 # -- communication ----------------------------------------------------------------------------------
@@ -193,22 +293,30 @@ class StepTime:
     cp_s: float = 0.0  # context parallel's ring: keys and values (and their gradients) passed on
     cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute
     ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch, combine and their gradients): never hidden
+    ops_s: float = 0.0  # the small operations cp and ep add (``strategy_ops``), at op_s each; inside compute_s
 
 
 def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
               microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
               sequence_parallel: bool = False, recompute="none", overlap: bool = True,
-              buckets: int | None = None, cp: int = 1, virtual_stages: int = 1, ep: int = 1) -> StepTime:
+              buckets: int | None = None, cp: int = 1, virtual_stages: int = 1, ep: int = 1,
+              balanced: bool = True) -> StepTime:
     """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
     with a pipeline only the last micro-batch's backward is left to hide behind); FSDP (ZeRO-3)
     prefetches its gathers behind forward and backward, so all of the compute; tensor parallel's g
     and f sit between two matmuls that need their result, so nothing hides them; the pipeline's
-    sends are counted whole. Compute includes the device's fixed ``overhead_s`` per micro-batch
-    (its stage's 1/pp of it; every tp and dp rank runs all the operations). buckets: DDP's
-    all-reduces per step (default: one per 25 MiB of gradients, PyTorch's bucket size); each message
-    step costs α (``_ring_steps``).
+    sends are counted whole. Compute includes the device's fixed costs, on its stage's 1/pp of the
+    model (every tp and dp rank runs all the operations): ``microbatch_overhead_s`` per micro-batch
+    and ``overhead_s`` once per step, so a pipeline of m micro-batches pays the forward+backward's
+    fixed cost m times and the optimizer's once. buckets: DDP's all-reduces per step (default: one
+    per 25 MiB of gradients, PyTorch's bucket size); each message step costs α (``_ring_steps``).
+
+    The small operations cp and ep add to the plain model (``strategy_ops``: ring attention's
+    per-chunk online-softmax updates and hand-overs, a MoE's routing, per-expert work and dispatch)
+    cost ``op_s`` each (``ops_s``, part of compute); ``balanced``: context parallel's load-balanced
+    chunks (the default) or contiguous slices.
 
     cp: context parallel, each of the dp replicas' sequences split over cp ranks (ring attention,
     ``minitp.cost.context``). A rank then computes (B/dp)·(S/cp) tokens; tensor and pipeline
@@ -226,7 +334,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     the combine.
 
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
-    overlaps: gloo copies and adds the bytes on the same cores that compute.
+    overlaps: gloo copies and adds the bytes on the same cores that compute. With more ranks than
+    cores, compute slows by ranks/cores (or as ``minitp calibrate`` measured it, ``_shared_cores``)
+    and every message crosses the link as measured with ranks waiting for cores (``link_on_machine``).
     """
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
@@ -237,12 +347,16 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)) / gpus
     compute = compute_time(rank_flops, device, gpus)
     attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq / gpus, device, gpus)
-    # the fixed cost of a step: each micro-batch pays it on its stage's share of the model
-    compute += device.overhead_s * m / pp * _shared_cores(device, gpus)
+    # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward, the step's
+    # optimizer once, and each small operation the strategy adds
+    shared = _shared_cores(device, gpus)
+    ops_s = m * strategy_ops(cfg, seq, cp, ep, balanced) * device.op_s / pp * shared if device.op_s else 0.0
+    compute += (device.microbatch_overhead_s * m + device.overhead_s) / pp * shared + ops_s
     v = virtual_stages if pp > 1 else 1
     check_positive("virtual_stages", v)
     bubble = compute * (pp - 1) / (v * m)
-    links = links_of_layout(dp, pp, tp, device, cp, ep)
+    links = {dim: link_on_machine(link, device, gpus)  # as the ranks see it when they outnumber the cores
+             for dim, link in links_of_layout(dp, pp, tp, device, cp, ep).items()}
     worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0, "ep": 0.0}
     sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp, "ep": ep}
     moe = check_ep(cfg, ep)
@@ -271,7 +385,7 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed + worst["ep"]
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
     return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu,
-                    worst["cp"], cp_exposed, worst["ep"])
+                    worst["cp"], cp_exposed, worst["ep"], ops_s)
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,

@@ -1,4 +1,4 @@
-"""Measure this machine for the time model: one rank's matmul rate, and gloo's α and β.
+"""Measure this machine for the time model: one rank's matmul rate, fixed costs, and gloo's α and β.
 
 ``minitp calibrate`` runs this and stores the figures (``calibration_path()``: $MINITP_CALIBRATION,
 else ~/.cache/minitp/calibration.json); every ``minitp run`` then reports its ``predicted_step_s``
@@ -9,10 +9,16 @@ are read and checked here, and handed to it as a ``Device``.
   tiny model runs, (B·S, D) @ (D, F) with B·S = 128, D = 64, F = 128: small matmuls reach a small
   share of what large ones do, and the tiny model's step is made of them (plus per-operation
   overhead, which this rate then carries too). The rate at a large size is stored beside it.
-* the step's overhead: a one-process training step of the tiny model on one thread (the fastest of a
-  dozen) less its FLOPs at that rate. At these sizes the FLOPs take about a millisecond and the step
-  tens: Python, autograd and the optimizer's loop dominate, and a prediction without this term would
-  be off by an order of magnitude.
+* the fixed costs: a one-process training step of the tiny model on one thread (the fastest of
+  20), once with its batch of 8 in one micro-batch and once in 8 micro-batches of one sequence
+  (gradients accumulated, one optimizer step). The growth per micro-batch added is what a forward
+  and backward cost beyond their FLOPs (``microbatch_overhead_s``); the one-micro-batch step less
+  that and its FLOPs is what the step costs once (``step_overhead_s``: the optimizer's loop over
+  tensors, zeroing the gradients). At these sizes the FLOPs take about a millisecond and the step
+  several: Python, autograd and the optimizer's loop dominate, and a prediction without these terms
+  would be off by an order of magnitude. ``op_s``, the cost of one small tensor operation (what
+  ring attention and a MoE add, ``minitp.cost.time.strategy_ops``), is the micro-batch's fixed cost
+  over the number of operations its forward and backward dispatch (counted here, once).
 * α and β: all-reduces of a few sizes on 2 ranks over gloo, each issued as training issues them,
   after a burst of compute (a few of the tiny model's matmuls), and fitted to
   T(B) = 2(n-1)·α + 2(n-1)/n · B/β (n = 2: T = 2α + B/β) by least squares on the **mean** time per
@@ -21,6 +27,12 @@ are read and checked here, and handed to it as a ``Device``.
   gloo's threads and waiting for the other rank to arrive. On 2 shared cores the mean is several
   times the fastest; the fit to the fastest calls is stored beside it (``alpha_min_s``,
   ``bytes_per_s_min``) for comparison.
+* more ranks than cores: the same all-reduces on 2·cores ranks (on a machine of 2 to 4 cores). The
+  fit there (``alpha_shared_s``, ``bytes_per_s_shared``) is what a message costs when its ranks wait
+  for a core. Each run ends with bursts of matmuls on every rank at once: their mean time on 2·cores
+  ranks over their mean time on 2 is how much the compute slows (``shared_slowdown``; ranks/cores
+  would say 2). The time model draws lines through these and the figures at a core per rank
+  (``minitp.cost.time.link_on_machine``, ``_shared_cores``).
 
 Reading a stored calibration never raises: a file that is not one, or a figure the time model cannot
 use (a rate of 0, a negative α, NaN, ``"cores": "two"``), reads as no calibration, with a note that
@@ -63,11 +75,12 @@ def matmul_flops_per_s(m: int, k: int, n: int, repeats: int = 50, seconds: float
         torch.set_num_threads(threads)
 
 
-def step_overhead_s(flops_per_s: float, batch: int = 8, seq: int = 16, repeats: int = 20) -> float:
-    """Seconds one training step of the tiny model takes on one thread beyond its FLOPs at
-    ``flops_per_s``: the fastest of ``repeats`` steps (the first two warm up), less its FLOPs
-    (6Ψ + attention per token) at that rate."""
-    from minitp.cost import training_flops_per_token
+def tiny_step_s(microbatches: tuple[int, ...] = (1, 8), batch: int = 8, seq: int = 16,
+                repeats: int = 20) -> dict[int, float]:
+    """{m: seconds of the fastest of ``repeats`` training steps of the tiny model on one thread}, its
+    batch cut into m micro-batches whose gradients accumulate before one AdamW step. The counts of
+    micro-batches take turns, step by step, so that what else runs on the machine slows them alike;
+    the first two rounds warm up."""
     from minitp.models import TINY, build_model, loss_fn
     from minitp.models.train import make_optimizer
 
@@ -78,20 +91,70 @@ def step_overhead_s(flops_per_s: float, batch: int = 8, seq: int = 16, repeats: 
         optimizer = make_optimizer(model.parameters(), 1e-3)
         g = torch.Generator().manual_seed(0)
         tokens, targets = (torch.randint(0, TINY.vocab_size, (batch, seq), generator=g) for _ in range(2))
-        best = float("inf")
+        best = {m: float("inf") for m in microbatches}
         for i in range(repeats + 2):
-            t0 = time.perf_counter()
-            optimizer.zero_grad()
-            loss_fn(model(tokens), targets).backward()
-            optimizer.step()
-            best = min(best, time.perf_counter() - t0) if i >= 2 else best
+            for m in microbatches:
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                for x, y in zip(tokens.chunk(m), targets.chunk(m)):
+                    (loss_fn(model(x), y) / m).backward()
+                optimizer.step()
+                best[m] = min(best[m], time.perf_counter() - t0) if i >= 2 else best[m]
     finally:
         torch.set_num_threads(threads)
-    return max(0.0, best - batch * seq * training_flops_per_token(TINY, seq) / flops_per_s)
+    return best
 
 
-def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict[int, tuple[float, float]]:
-    """{bytes: (mean seconds, fastest seconds)} of an all-reduce issued after a burst of compute."""
+def count_ops(batch: int = 8, seq: int = 16) -> int:
+    """How many tensor operations one forward and backward of the tiny model dispatch (every call
+    that reaches PyTorch's operator dispatcher, counted by a TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minitp.models import TINY, build_model, loss_fn
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(TINY, seed=0)
+    tokens = torch.randint(0, TINY.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with Count():
+        loss_fn(model(tokens), tokens).backward()
+    return Count.n
+
+
+def fit_fixed_costs(step_one: float, step_many: float, microbatches: int, flops_s: float, ops: int) -> dict:
+    """The fixed costs from the tiny model's step at one micro-batch (``step_one`` seconds) and at
+    ``microbatches`` (``step_many``), the same batch and FLOPs (``flops_s`` seconds at the measured
+    rate): per micro-batch the growth per one added, per step what is left of ``step_one`` beyond its
+    FLOPs and its micro-batch, per small operation the micro-batch's over its ``ops`` operations."""
+    microbatch = max(0.0, (step_many - step_one) / (microbatches - 1))
+    return {"step_overhead_s": max(0.0, step_one - flops_s - microbatch), "microbatch_overhead_s": microbatch,
+            "op_s": microbatch / ops, "microbatch_ops": ops}
+
+
+SHARED_MAX_RANKS = 8  # more ranks than this (a machine of more than 4 cores): not measured at 2·cores ranks
+MICROBATCHES = 8  # the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
+
+
+def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
+    """Measure and fit the fixed costs of a step, of a micro-batch and of one operation (``fit_fixed_costs``)."""
+    from minitp.cost import training_flops_per_token
+    from minitp.models import TINY
+
+    flops_s = batch * seq * training_flops_per_token(TINY, seq) / flops_per_s
+    steps = tiny_step_s((1, MICROBATCHES), batch, seq)
+    return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s, count_ops(batch // MICROBATCHES, seq))
+
+
+def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict:
+    """{"all_reduce": {bytes: (mean seconds, fastest seconds)}, "compute_s": mean seconds of a long
+    burst}: all-reduces each issued after a short burst of compute, as training issues them; then
+    bursts of about 20 ms of matmuls that every rank runs at once, timed (what sharing the cores
+    does to compute)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -108,7 +171,14 @@ def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict[int, tuple[
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
         out[nbytes] = (statistics.fmean(times[2:]), min(times[2:]))  # the first two warm the connection up
-    return out
+    bursts = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            a @ w
+        bursts.append(time.perf_counter() - t0)
+    return {"all_reduce": out, "compute_s": statistics.fmean(bursts)}
 
 
 def fit_alpha_beta(times: dict[int, float], n: int = 2) -> tuple[float, float]:
@@ -124,29 +194,46 @@ def fit_alpha_beta(times: dict[int, float], n: int = 2) -> tuple[float, float]:
     return max(intercept, 0.0) / (2 * (n - 1)), 1.0 / slope
 
 
+def _slower_rank(results: list[dict], sizes) -> tuple[dict, dict]:
+    """The slower rank's (mean, fastest) all-reduce times per size: the slower rank finishes the collective."""
+    means = {b: max(r["all_reduce"][b][0] for r in results) for b in sizes}
+    fastest = {b: max(r["all_reduce"][b][1] for r in results) for b in sizes}
+    return means, fastest
+
+
 def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
-    """Measure this machine (a few seconds): the figures ``minitp.cost.device_from_calibration`` takes."""
+    """Measure this machine (several seconds): the figures ``minitp.cost.device_from_calibration`` takes."""
     from minitp.launcher import launch
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     flops = matmul_flops_per_s(*TINY_SHAPE)
     large = matmul_flops_per_s(512, 512, 512, repeats=5)
-    overhead = step_overhead_s(flops)
+    fixed = fixed_costs(flops)
     results = launch(_all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
-    # the slower rank finishes the collective
-    means = {b: max(r[b][0] for r in results) for b in sizes}
-    fastest = {b: max(r[b][1] for r in results) for b in sizes}
+    means, fastest = _slower_rank(results, sizes)
     alpha, beta = fit_alpha_beta(means, 2)
     try:
         alpha_min, beta_min = fit_alpha_beta(fastest, 2)
     except ValueError:  # only for comparison: a noisy fastest fit does not spoil the calibration
         alpha_min, beta_min = None, None
+    shared = {"alpha_shared_s": None, "bytes_per_s_shared": None, "shared_slowdown": None}
+    if cores and 2 <= cores and 2 * cores <= SHARED_MAX_RANKS:  # what waiting for a core does to messages, compute
+        crowded = launch(_all_reduce_worker, 2 * cores, tuple(sizes), repeats // 2, echo=False, timeout=120)
+        shared_means = _slower_rank(crowded, sizes)[0]
+        shared["shared_slowdown"] = (statistics.fmean(r["compute_s"] for r in crowded)
+                                     / statistics.fmean(r["compute_s"] for r in results))
+        try:
+            shared["alpha_shared_s"], shared["bytes_per_s_shared"] = fit_alpha_beta(shared_means, 2 * cores)
+        except ValueError:  # a fit that failed leaves messages as at a core per rank
+            pass
+        shared["all_reduce_shared_s"] = {str(b): t for b, t in shared_means.items()}
     return {
         "name": "gloo, 1 thread per rank", "flops_per_s": flops, "flops_per_s_large": large,
-        "matmul_shape": list(TINY_SHAPE), "step_overhead_s": overhead, "alpha_s": alpha, "bytes_per_s": beta,
+        "matmul_shape": list(TINY_SHAPE), **fixed, "alpha_s": alpha, "bytes_per_s": beta,
         "alpha_min_s": alpha_min, "bytes_per_s_min": beta_min,
         "all_reduce_s": {str(b): t for b, t in means.items()},
-        "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()}, "cores": len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity") else os.cpu_count(), "torch": torch.__version__,
+        "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()}, **shared, "cores": cores,
+        "torch": torch.__version__,
     }
 
 
@@ -187,10 +274,14 @@ MAX_FILE_BYTES = 2**20  # a calibration is about a kilobyte; a larger file is no
 # them: (name, required, what a value must be)
 FIGURES = (
     ("flops_per_s", True, "> 0"), ("bytes_per_s", True, "> 0"), ("alpha_s", True, ">= 0"),
-    ("step_overhead_s", False, ">= 0"), ("memory_bytes", False, ">= 0"),
+    ("step_overhead_s", False, ">= 0"), ("microbatch_overhead_s", False, ">= 0"), ("op_s", False, ">= 0"),
+    ("memory_bytes", False, ">= 0"),
     ("flops_per_s_large", False, "> 0"), ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
+    ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"), ("shared_slowdown", False, "> 0"),
 )
-MAY_BE_NULL = ("flops_per_s_large", "bytes_per_s_min", "alpha_min_s")  # a noisy fastest fit stores null
+# a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
+MAY_BE_NULL = ("flops_per_s_large", "bytes_per_s_min", "alpha_min_s", "alpha_shared_s", "bytes_per_s_shared",
+               "shared_slowdown")
 
 
 def calibration_path() -> str:
@@ -289,7 +380,23 @@ def format_calibration(cal: dict) -> str:
             f"(512^3: {cal['flops_per_s_large'] / 1e9:.2f}), 1 thread; gloo all-reduce: "
             f"α = {cal['alpha_s'] * 1e6:.1f} µs per step, β = {cal['bytes_per_s'] / 1e9:.2f} GB/s "
             f"(mean calls{_fastest(cal)}); "
-            f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs; {cal['cores']} cores")
+            f"{_fixed(cal)}; {cal['cores']} cores{_shared(cal)}")
+
+
+def _fixed(cal: dict) -> str:
+    if cal.get("microbatch_overhead_s") is None:
+        return f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs"
+    return (f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs and "
+            f"{cal['microbatch_overhead_s'] * 1e3:.1f} ms per micro-batch "
+            f"({cal['op_s'] * 1e6:.1f} µs per small operation)")
+
+
+def _shared(cal: dict) -> str:
+    if cal.get("alpha_shared_s") is None or cal.get("bytes_per_s_shared") is None:
+        return ""
+    return (f"; at {2 * cal['cores']} ranks: α = {cal['alpha_shared_s'] * 1e6:.1f} µs, β = "
+            f"{cal['bytes_per_s_shared'] / 1e9:.2f} GB/s"
+            + (f", compute {cal['shared_slowdown']:.2f}x slower" if cal.get("shared_slowdown") else ""))
 
 
 def _fastest(cal: dict) -> str:

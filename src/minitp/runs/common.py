@@ -167,7 +167,8 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
     time = cost.step_time(cfg, train.batch_size, train.seq_len, layout["dp"], layout["tp"], layout["pp"], device,
                           details.get("microbatches") or 1, data_parallel, zero, "fp32",
                           bool(details.get("sequence_parallel")), buckets=details.get("num_buckets"),
-                          cp=layout.get("cp", 1), virtual_stages=details.get("virtual_stages") or 1, ep=ep)
+                          cp=layout.get("cp", 1), virtual_stages=details.get("virtual_stages") or 1, ep=ep,
+                          balanced=details.get("balanced", True))
     return time.step_s, None
 
 
