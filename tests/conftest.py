@@ -15,3 +15,12 @@ def no_launch(monkeypatch):
         raise AssertionError("processes were started for input that should have been refused")
     for module in ("data_parallel", "tensor_parallel", "pipeline", "threed", "context_parallel", "expert_parallel"):
         monkeypatch.setattr(f"minitp.runs.{module}.launch", refuse)
+
+
+@pytest.fixture(autouse=True)
+def fresh_exercise_tries():
+    """Each test starts as a fresh kernel: no wrong try counted, no expected value asked for."""
+    from minitp.exercises import reset_tries
+    reset_tries()
+    yield
+    reset_tries()

@@ -297,3 +297,52 @@ def test_bucketed_ddp_passes(capsys):
 def test_bucketed_ddp_mistakes_caught(cls, message):
     with pytest.raises(ExerciseError, match=message):
         ch01.check_bucketed_ddp(cls, nprocs=(2,))
+
+
+# -- hints in levels: the expected value shows from the second wrong try on ----------------------------
+def _first_then_second(check, *args, expected: str, **kwargs) -> None:
+    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
+    with pytest.raises(ExerciseError) as first:
+        check(*args, **kwargs)
+    assert expected not in str(first.value) and "Expected:" not in str(first.value)
+    assert "show_expected" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        check(*args, **kwargs)
+    assert f"Expected: {expected}" in str(second.value)
+
+
+def test_split_shows_the_expected_rows_from_the_second_try():
+    # 8 rows on 2 ranks: rank 0 keeps rows 0..3; the wrong answer gives it rank 1's, 4..7
+    _first_then_second(ch01.check_split_batch, split_wrong_rank, expected="rows [0, 1, 2, 3]")
+
+
+def test_split_shows_the_expected_rows_after_show_expected():
+    from minitp.exercises import show_expected
+
+    show_expected("split the batch")
+    with pytest.raises(ExerciseError, match=r"Expected: rows \[0, 1, 2, 3\]"):
+        ch01.check_split_batch(split_wrong_rank)
+
+
+def average_plus_one(bucket):
+    return average_right(bucket) + 1
+
+
+def test_average_shows_the_expected_values_from_the_second_try():
+    with pytest.raises(ExerciseError) as first:
+        ch01.check_average_bucket(average_plus_one, nprocs=(2,))
+    assert "not the mean over the ranks" in str(first.value) and "Expected:" not in str(first.value)
+    with pytest.raises(ExerciseError, match=r"Expected: \[-?\d"):
+        ch01.check_average_bucket(average_plus_one, nprocs=(2,))
+
+
+def test_bytes_show_the_expected_bytes_from_the_second_try():
+    # the first case: the tiny model's Ψ = 164,416 on 4 ranks, fp32 gradients: 2·3/4·Ψ·4 bytes
+    _first_then_second(ch01.check_ddp_bytes, lambda p, n, b: 1.0, expected=f"{2 * 3 * 164_416 * 4 // 4:,} bytes")
+
+
+def test_bytes_refuse_minitps_own_formula():
+    from minitp import cost
+
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch01.check_ddp_bytes(cost.ddp_step_bytes)

@@ -326,3 +326,94 @@ def test_fsdp_unit_passes(capsys):
 def test_fsdp_unit_mistakes_caught(cls, message):
     with pytest.raises(ExerciseError, match=message):
         ch02.check_fsdp_unit(cls, nprocs=(2,))
+
+
+# -- hints in levels: the expected value shows from the second wrong try on ----------------------------
+def _first_then_second(check, *args, expected: str) -> None:
+    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
+    with pytest.raises(ExerciseError) as first:
+        check(*args)
+    assert expected not in str(first.value) and "Expected:" not in str(first.value)
+    assert "show_expected" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        check(*args)
+    assert f"Expected: {expected}" in str(second.value)
+
+
+def shard_off_by_one_value(flat, rank, world_size):
+    return shard_right(flat, rank, world_size) + 1
+
+
+def unshard_reversed(shard, numel):
+    return unshard_right(shard, numel).flip(0)
+
+
+def unshard_gathers_twice(shard, numel):
+    unshard_right(shard, numel)
+    return unshard_right(shard, numel)
+
+
+def test_shard_values_show_from_the_second_try():
+    # the first flat parameter: 1..10 (as _shard_worker builds it) on 2 ranks: rank 0 keeps 1..5
+    flat = torch.arange(1, 11, dtype=torch.float32)
+    _first_then_second(ch02.check_shard_unshard, shard_off_by_one_value, unshard_right, (2,),
+                       expected=str(flat[:5].tolist()))
+
+
+def test_unshard_values_show_from_the_second_try():
+    _first_then_second(ch02.check_shard_unshard, shard_right, unshard_reversed, (2,),
+                       expected=str(torch.arange(1, 11, dtype=torch.float32).tolist()))
+
+
+def test_unshard_bytes_show_from_the_second_try():
+    want = sum(cost.collective_sent_bytes("all_gather", cost.padded_numel(m, 2) * 4, 2) for m in ch02._SIZES)
+    _first_then_second(ch02.check_shard_unshard, shard_right, unshard_gathers_twice, (2,),
+                       expected=f"{want:g} bytes")
+
+
+def reduce_plus_one(full_grad):
+    return reduce_right(full_grad) + 1
+
+
+def reduce_scatters_twice(full_grad):
+    reduce_right(full_grad)
+    return reduce_right(full_grad)
+
+
+def test_reduce_gradient_values_show_from_the_second_try():
+    with pytest.raises(ExerciseError) as first:
+        ch02.check_reduce_gradient(reduce_plus_one, (2,))
+    assert "not this rank's shard of the mean gradient" in str(first.value)
+    assert "Expected:" not in str(first.value)
+    with pytest.raises(ExerciseError, match=r"Expected: \[-?\d"):
+        ch02.check_reduce_gradient(reduce_plus_one, (2,))
+
+
+def test_reduce_gradient_bytes_show_from_the_second_try():
+    _first_then_second(ch02.check_reduce_gradient, reduce_scatters_twice, (2,),
+                       expected=f"{cost.collective_sent_bytes('reduce_scatter', 2 * 3 * 4, 2):g} bytes each")
+
+
+def test_memory_per_rank_shows_the_expected_bytes_from_the_second_try():
+    # the first case checked: the tiny model's Ψ = 164,416 on 4 ranks, DDP: 16 bytes per parameter
+    _first_then_second(ch02.check_memory_per_rank, lambda psi, n, zero: 1.0, expected=f"{16 * 164_416:,} bytes")
+
+
+def test_show_expected_shows_the_expected_bytes_on_the_first_try(capsys):
+    from minitp.exercises import show_expected
+    show_expected("memory per rank")
+    with pytest.raises(ExerciseError, match=f"Expected: {16 * 164_416:,} bytes"):
+        ch02.check_memory_per_rank(lambda psi, n, zero: 1.0)
+
+
+class UnitShardPlusOne(FSDPUnit):
+    def keep(self, flat):
+        return super().keep(flat) + 1
+
+
+def test_fsdp_unit_shard_values_show_from_the_second_try():
+    with pytest.raises(ExerciseError) as first:
+        ch02.check_fsdp_unit(UnitShardPlusOne, nprocs=(2,))
+    assert "not this rank's slice" in str(first.value) and "Expected:" not in str(first.value)
+    with pytest.raises(ExerciseError, match=r"Expected: \[-?\d"):
+        ch02.check_fsdp_unit(UnitShardPlusOne, nprocs=(2,))

@@ -163,3 +163,13 @@ def test_gqa_attention_mistakes_caught(kwargs, message):
 
     with pytest.raises(ExerciseError, match=message):
         ch04.check_gqa_attention(answer)
+
+
+def test_swiglu_bytes_show_the_expected_bytes_from_the_second_try():
+    # the first case: D=4096, F=14336, tp=1, 2 bytes per element: 3·D·F·b
+    want = f"Expected: {3 * 4096 * 14336 * 2:,} bytes"
+    with pytest.raises(ExerciseError) as first:
+        ch04.check_swiglu_bytes_per_rank(lambda d, f, tp, b: 1.0)
+    assert f"{3 * 4096 * 14336 * 2:,}" not in str(first.value) and "show_expected" in str(first.value)
+    with pytest.raises(ExerciseError, match=want):
+        ch04.check_swiglu_bytes_per_rank(lambda d, f, tp, b: 1.0)

@@ -58,7 +58,29 @@ def test_one_f_one_b_accepts_the_answer(capsys):
 def test_one_f_one_b_accepts_pp_actions():
     from minitp import pp
 
-    ch05.check_one_f_one_b(lambda s, p, m: pp.one_f_one_b(p, m)[s])
+    ch05.check_one_f_one_b(lambda s, p, m: [pp.Action(kind, i) for kind, i in order_right(s, p, m)])
+
+
+def test_one_f_one_b_refuses_minitps_own_schedule():
+    from minitp import pp
+
+    with pytest.raises(ExerciseError, match=r"your code calls minitp\.pp\w*\.one_f_one_b, minitp's own answer"):
+        ch05.check_one_f_one_b(lambda s, p, m: pp.one_f_one_b(p, m)[s])
+
+    from minitp.pp import one_f_one_b
+
+    def by_its_global_name(stage, num_stages, microbatches):
+        return one_f_one_b(num_stages, microbatches)[stage]
+
+    with pytest.raises(ExerciseError, match=r"your code calls minitp\.pp\w*\.one_f_one_b"):
+        ch05.check_one_f_one_b(by_its_global_name)
+
+
+def test_bubble_refuses_minitps_own_formula():
+    from minitp import cost
+
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch05.check_bubble(cost.pp_bubble_fraction)
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -73,10 +95,24 @@ def test_one_f_one_b_catches_mistakes(answer, message):
         ch05.check_one_f_one_b(answer)
 
 
-def test_one_f_one_b_shows_expected_and_got():
-    with pytest.raises(ExerciseError) as info:
+def test_one_f_one_b_shows_the_expected_order_from_the_second_try():
+    with pytest.raises(ExerciseError) as first:
         ch05.check_one_f_one_b(order_one_warmup_too_many)
-    assert "expected F0 F1 F2 F3 B0" in str(info.value) and "got      F0 F1 F2 F3 F4 B0" in str(info.value)
+    assert "you gave F0 F1 F2 F3 F4 B0" in str(first.value)
+    assert "F0 F1 F2 F3 B0" not in str(first.value).replace("F0 F1 F2 F3 F4 B0", "")
+    assert "Expected" not in str(first.value)
+    assert "show_expected('1F1B order')" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        ch05.check_one_f_one_b(order_one_warmup_too_many)
+    assert "Expected: F0 F1 F2 F3 B0 F4 B1" in str(second.value)
+
+
+def test_one_f_one_b_shows_the_expected_order_after_show_expected(capsys):
+    from minitp.exercises import show_expected
+
+    show_expected("1F1B order")
+    with pytest.raises(ExerciseError, match="Expected: F0 F1 F2 F3 B0 F4 B1"):
+        ch05.check_one_f_one_b(order_one_warmup_too_many)
 
 
 # -- a stage's send/recv loop (real processes) ----------------------------------------------------
@@ -172,11 +208,20 @@ def test_bubble_accepts_the_answer(capsys):
     (lambda p, m: (m - 1) / (m + p - 1), "m and p are swapped"),
     (lambda p, m: (p - 1) / m, "idle time over the compute time"),
     (lambda p, m: m / (m + p - 1), "busy share"),
-    (lambda p, m: 0.5, "expected 0.2727"),
+    (lambda p, m: 0.5, "you gave 0.5000"),
 ])
 def test_bubble_catches_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=re.escape(message)):
         ch05.check_bubble(answer)
+
+
+def test_bubble_shows_the_expected_fraction_from_the_second_try():
+    # the first case: p=4, m=8, (p-1)/(m+p-1) = 3/11
+    with pytest.raises(ExerciseError) as first:
+        ch05.check_bubble(lambda p, m: 0.5)
+    assert "0.2727" not in str(first.value) and "Expected" not in str(first.value)
+    with pytest.raises(ExerciseError, match=re.escape(f"Expected: {3 / 11:.4f}")):
+        ch05.check_bubble(lambda p, m: 0.5)
 
 
 def test_bubble_stub_is_not_done_yet():

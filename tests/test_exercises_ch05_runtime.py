@@ -60,6 +60,16 @@ def test_zero_bubble_catches_mistakes(answer, message):
         ch05.check_zero_bubble(answer)
 
 
+def test_zero_bubble_shows_the_expected_table_from_the_second_try():
+    want = " ".join(f"{a.kind}{a.microbatch}" for a in pp.zero_bubble_h1(4, 8)[0])  # the first case: stage 0
+    with pytest.raises(ExerciseError) as first:
+        ch05.check_zero_bubble(zb_no_w)
+    assert want not in str(first.value) and "show_expected('zero-bubble table')" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        ch05.check_zero_bubble(zb_no_w)
+    assert f"Expected: {want}" in str(second.value)
+
+
 # -- a 1F1B runtime (real processes) --------------------------------------------------------------
 def runtime_right(stage, actions, inputs, targets, rank, world_size, shape, loss_fn, send_gradient=True,
                   gradient_from=lambda rank, world_size: rank + 1, blocking_send=False, input_requires_grad=True):
@@ -202,3 +212,8 @@ def test_pipeline_runtime_refuses_a_bad_message_at_once(answer, message):
     assert time.perf_counter() - t0 < 30  # refused at the call, not after the timeout
     frames = [line for line in str(info.value).splitlines() if line.startswith("  File ")]
     assert "comm.py" not in str(info.value) and __file__.rsplit("/", 1)[-1] in frames[-1]  # ends in the answer
+
+
+def test_zero_bubble_refuses_minitps_own_table():
+    with pytest.raises(ExerciseError, match=r"your code calls minitp\.pp\w*\.zero_bubble_h1"):
+        ch05.check_zero_bubble(lambda s, p, m: pp.zero_bubble_h1(p, m)[s])

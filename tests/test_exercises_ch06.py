@@ -60,8 +60,18 @@ def test_mesh_position_catches_mistakes(answer, message):
 
 
 # -- bytes of one step -------------------------------------------------------------------------------
-def bytes_right(cfg, batch, seq, dp, tp, pp, stage):
-    return cost.threed_step_bytes(cfg, batch, seq, dp, tp, pp, stage)
+def bytes_right(cfg, batch, seq, dp, tp, pp, stage):  # the notebook's answer, from the per-strategy formulas
+    b = batch // dp
+    act = b * seq * cfg.dim * 4
+    tp_bytes = cost.stage_num_blocks(cfg.n_layers, pp, stage) * cost.tp_block_bytes(b, seq, cfg.dim, tp)
+    if stage == 0:
+        tp_bytes += cost.collective_sent_bytes("all_reduce", act, tp)
+    if stage == pp - 1:
+        tp_bytes += cost.collective_sent_bytes("all_reduce", act, tp)
+        tp_bytes += cost.collective_sent_bytes("all_reduce", b * seq * 4, tp)
+        tp_bytes += cost.collective_sent_bytes("all_reduce", 2 * b * seq * 4, tp)
+    return {"tp": tp_bytes, "pp": cost.pp_step_bytes(b, seq, cfg.dim, pp, stage),
+            "dp": cost.ddp_step_bytes(cost.threed_params_per_rank(cfg, tp, pp, stage), dp)}
 
 
 def bytes_without_dp(cfg, batch, seq, dp, tp, pp, stage):
@@ -204,3 +214,62 @@ def test_make_groups_hang_is_named_when_a_rank_skips_other_groups():
 
     with pytest.raises(ExerciseError, match="hung .* called by EVERY rank for EVERY group"):
         ch06.check_make_groups(own_groups_only, layouts=((2, 2, 2),), timeout=10)
+
+
+# -- hints in levels: the expected value shows from the second wrong try on ----------------------------
+def _first_then_second(check, *args, expected: str, **kwargs) -> None:
+    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
+    with pytest.raises(ExerciseError) as first:
+        check(*args, **kwargs)
+    assert expected not in str(first.value) and "Expected:" not in str(first.value)
+    assert "show_expected" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        check(*args, **kwargs)
+    assert f"Expected: {expected}" in str(second.value)
+
+
+def test_mesh_position_shows_the_expected_group_from_the_second_try():
+    # rank 0 of dp=2, pp=2, tp=2: its dp group is rank 0 and the rank one replica on, (1·2 + 0)·2 + 0 = 4
+    _first_then_second(ch06.check_mesh_position, position_wrong_dp_group, expected="the dp group [0, 4]")
+
+
+def test_step_bytes_show_the_expected_bytes_from_the_second_try():
+    want = cost.threed_step_bytes(ch06.TINY, 8, 16, 2, 2, 2, 0)["dp"]  # the first case
+    assert want == bytes_right(ch06.TINY, 8, 16, 2, 2, 2, 0)["dp"]
+    assert want > 0
+    _first_then_second(ch06.check_step_bytes, bytes_without_dp, expected=f"dp = {want:,.0f} bytes")
+
+
+def test_choose_layout_shows_the_expected_layout_from_the_second_try():
+    want = _choose(ch06.LLAMA3_8B, 64, cost.H100.memory_bytes, 8)  # the first case: LLaMA-3-8B on 64 H100s
+    assert want is not None
+    _first_then_second(ch06.check_choose_layout, lambda cfg, gpus, budget, node: None, expected=str(want))
+
+
+def test_choose_layout_shows_the_expected_layout_after_show_expected(capsys):
+    from minitp.exercises import show_expected
+
+    show_expected("the layout that fits")
+    want = _choose(ch06.LLAMA3_8B, 64, cost.H100.memory_bytes, 8)
+    with pytest.raises(ExerciseError, match=f"Expected: {want}".replace("(", r"\(").replace(")", r"\)")):
+        ch06.check_choose_layout(lambda cfg, gpus, budget, node: None)
+
+
+def test_make_groups_shows_the_expected_group_from_the_second_try():
+    def answer(dp, pp, tp):
+        return make_groups(dp, pp, tp, wrong_pp=True)
+
+    # rank 0 of dp=2, pp=2, tp=2: its pp group runs through pp_rank with dp_rank = tp_rank = 0: ranks 0 and 2
+    _first_then_second(ch06.check_make_groups, answer, expected="the pp group [0, 2]", layouts=((2, 2, 2),))
+
+
+def test_choose_layout_refuses_minitps_own_answer():
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch06.check_choose_layout(ch06.reference_layout)
+
+
+def test_step_bytes_refuses_minitps_own_formula():
+    with pytest.raises(ExerciseError, match="that is minitp.cost.*threed_step_bytes, minitp's own answer"):
+        ch06.check_step_bytes(cost.threed_step_bytes)
+    with pytest.raises(ExerciseError, match="your code calls minitp.cost.*threed_step_bytes"):
+        ch06.check_step_bytes(lambda *args: dict(cost.threed_step_bytes(*args)))

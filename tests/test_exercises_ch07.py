@@ -36,7 +36,7 @@ def test_balanced_chunks_accepts_the_answer(capsys):
 
 @pytest.mark.parametrize("answer, message", [
     (chunks_contiguous, "contiguous slice"),
-    (chunks_wrong_mirror, "its partner is chunk"),
+    (chunks_wrong_mirror, "its partner lies as far from the end"),
     (stub, "not done yet"),
 ])
 def test_balanced_chunks_catches_mistakes(answer, message):
@@ -91,6 +91,19 @@ def test_online_softmax_accepts_the_answer(capsys):
 def test_online_softmax_catches_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         ch07.check_online_softmax(answer)
+
+
+def test_online_softmax_refuses_minitps_own_fold():
+    from minitp import cp
+
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch07.check_online_softmax(cp.online_softmax_update)
+
+    def calls_the_library(m, row_sum, acc, scores, v):
+        return cp.online_softmax_update(m, row_sum, acc, scores, v)
+
+    with pytest.raises(ExerciseError, match="your code calls minitp.cp.online_softmax_update"):
+        ch07.check_online_softmax(calls_the_library)
 
 
 # -- the ring ----------------------------------------------------------------------------------------
@@ -190,9 +203,36 @@ def test_ring_bytes_accepts_the_answer(capsys):
     (bytes_forward_only, "forward alone"),
     (bytes_no_home_hop, "cp hops, not cp-1"),
     (bytes_whole_sequence, "S/cp positions"),
-    (bytes_4cp_minus_3, r"\(3cp-2\)·2KV in all"),
+    (bytes_4cp_minus_3, "Count the hops"),
     (stub, "not done yet"),
 ])
 def test_ring_bytes_catches_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         ch07.check_ring_bytes(answer)
+
+
+# -- hints in levels: the expected value shows from the second wrong try on ----------------------------
+def test_balanced_chunks_show_the_expected_chunks_from_the_second_try():
+    want = str([range(0, 4), range(12, 16)])  # the first case: seq_len=16, cp=2, rank 0, chunks of 4
+    with pytest.raises(ExerciseError) as first:
+        ch07.check_balanced_chunks(chunks_wrong_mirror)
+    assert want not in str(first.value) and "show_expected('balanced chunks')" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        ch07.check_balanced_chunks(chunks_wrong_mirror)
+    assert f"Expected: {want}" in str(second.value)
+
+
+def test_ring_bytes_show_the_expected_bytes_from_the_second_try():
+    want = f"{bytes_right(1, 4096, 8, 128, 4, 2):,.0f} bytes"  # the first case
+    with pytest.raises(ExerciseError) as first:
+        ch07.check_ring_bytes(bytes_4cp_minus_3)
+    assert want not in str(first.value) and "Expected:" not in str(first.value)
+    with pytest.raises(ExerciseError, match=f"Expected: {want}"):
+        ch07.check_ring_bytes(bytes_4cp_minus_3)
+
+
+def test_ring_bytes_refuses_minitps_own_formula():
+    from minitp import cost
+
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch07.check_ring_bytes(cost.cp_attention_bytes)

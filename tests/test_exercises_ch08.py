@@ -155,7 +155,7 @@ def test_layer_bytes_accepts_the_answer(capsys):
 
 @pytest.mark.parametrize("answer, message", [
     (lambda t, r, d, b: layer_bytes_right(t, r, d, b) / 2, "forward only"),
-    (lambda t, r, d, b: layer_bytes_right(t, r, d, b) + 2 * t[r][r] * d * b, "diagonal"),
+    (lambda t, r, d, b: 2 * (sum(t[r]) + sum(row[r] for row in t)) * d * b, "diagonal"),  # rows to itself too
     (lambda t, r, d, b: 4 * sum(t[r][j] for j in range(len(t)) if j != r) * d * b, "received"),
     (lambda t, r, d, b: layer_bytes_right(t, r, d, b) / b, "bytes per element"),
     (_stub, "not done yet"),
@@ -163,3 +163,48 @@ def test_layer_bytes_accepts_the_answer(capsys):
 def test_layer_bytes_catches_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         ch08.check_layer_bytes(answer)
+
+
+# -- hints in levels: the expected value shows from the second wrong try on ----------------------------
+def _first_then_second(check, answer, expected: str, **kwargs) -> None:
+    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
+    with pytest.raises(ExerciseError) as first:
+        check(answer, **kwargs)
+    assert "Expected:" not in str(first.value)
+    assert len(expected) < 4 or expected not in str(first.value)  # a short number may occur in the question
+    assert "show_expected" in str(first.value)
+    with pytest.raises(ExerciseError) as second:
+        check(answer, **kwargs)
+    assert f"Expected: {expected}" in str(second.value)
+
+
+def test_capacity_shows_the_expected_capacity_from_the_second_try():
+    # the first case: S=16, E=8, k=2, c=1.25: ceil(1.25·16·2/8) = 5
+    _first_then_second(ch08.check_capacity, lambda s, e, k, c: 99, expected="5")
+
+
+def test_layer_bytes_show_the_expected_bytes_from_the_second_try():
+    # the first case: T = [[5, 3], [2, 6]], rank 0, D=4, b=4: 2·(3 + 2)·4·4 = 160
+    _first_then_second(ch08.check_layer_bytes, lambda t, r, d, b: 1, expected="160 bytes")
+
+
+def dispatch_counts_off_by_one(rows, counts, group):
+    received, incoming = dispatch_right(rows, counts, group)
+    return received, incoming + 1
+
+
+def test_dispatch_shows_the_expected_counts_from_the_second_try():
+    want = str(ch08._expected_dispatch(2, 0)[1].tolist())  # rank 0 of 2
+    _first_then_second(ch08.check_dispatch, dispatch_counts_off_by_one, expected=want, nprocs=(2,))
+
+
+def test_capacity_mask_refuses_minitps_own_mask():
+    from minitp.models import moe
+
+    def calls_the_library(expert, n_experts, capacity):
+        return moe.capacity_mask(expert, n_experts, capacity)
+
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch08.check_capacity_mask(moe.capacity_mask)
+    with pytest.raises(ExerciseError, match="your code calls minitp.models.moe.capacity_mask"):
+        ch08.check_capacity_mask(calls_the_library)

@@ -341,3 +341,36 @@ def test_stored_twin_trains_every_layout_like_one_process():
         assert len(held) == 2
         share = sum(held) / BYTE.num_params()
         assert share == 2 or 0.99 < share < 1.01, text  # dp 2: two copies; tp 2 and pp 2: one model between them
+
+
+# -- hints in levels: the expected value shows from the second wrong try on ----------------------------
+def test_lr_shows_the_expected_rate_from_the_second_try():
+    want = f"{lr_right(0, 100, 10, 3e-3, 0.1):.6g}"  # the first case: step 0 of 100, warm-up 10: lr/10
+    with pytest.raises(ExerciseError) as first:
+        ch09.check_lr_schedule(lr_warmup_from_zero)
+    assert want not in str(first.value) and "show_expected('learning rate')" in str(first.value)
+    with pytest.raises(ExerciseError, match=f"Expected: {want}"):
+        ch09.check_lr_schedule(lr_warmup_from_zero)
+
+
+def test_waste_shows_the_expected_fraction_from_the_second_try():
+    want = f"{waste_right(600, 30, 120, 3 * 3600):.6g}"  # the first case
+    answer = lambda i, c, r, m: (i / 2 + r) / m  # noqa: E731  the saves left out
+    with pytest.raises(ExerciseError) as first:
+        ch09.check_wasted_fraction(answer)
+    assert want not in str(first.value) and "Expected:" not in str(first.value)
+    with pytest.raises(ExerciseError, match=f"Expected: {want}"):
+        ch09.check_wasted_fraction(answer)
+
+
+def test_waste_refuses_minitps_own_answer():
+    with pytest.raises(ExerciseError, match="the exercise is to write it"):
+        ch09.check_wasted_fraction(ch09.wasted_fraction)
+
+
+def test_clip_shows_the_expected_norm_from_the_second_try():
+    with pytest.raises(ExerciseError) as first:
+        ch09.check_clip_grad_norm(clip_squares, layouts=(TP_PP,))
+    assert "square root" in str(first.value) and "Expected:" not in str(first.value)
+    with pytest.raises(ExerciseError, match=r"Expected: \d+\.\d{6}"):
+        ch09.check_clip_grad_norm(clip_squares, layouts=(TP_PP,))

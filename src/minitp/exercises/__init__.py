@@ -5,10 +5,15 @@ says what is wrong and hints at why; it prints one line when the answer is right
 In a notebook an ``ExerciseError`` shows as its message alone (``_render_traceback_``): no frame of the
 checker's own code. A rank's failure keeps only the frames of the learner's code (``learner_frames``).
 How learner copies and the website treat the cells that call a checker: ``minitp.exercises.student``.
+
+Hints come in levels (``wrong``): a first wrong try of a check names the mistake and hints at why; the
+expected value (the number, the table, the group) shows from the second wrong try of the same check on, or
+at once after ``show_expected(name)``. So an answer cannot be found by pasting back what a check printed.
 """
 
 from __future__ import annotations
 
+import dis
 import os
 import re
 import traceback
@@ -25,6 +30,10 @@ _COMM = os.path.join(_PACKAGE, "comm.py")
 _REFUSED = re.compile(r"^(TypeError|ValueError): comm\.\w+: ")  # comm refused its arguments (``comm._check``)
 
 
+_WRONG_TRIES: dict[str, int] = {}  # check name -> wrong tries so far, in this kernel
+_SHOWN: set[str] = set()  # check names whose expected value the learner asked to see
+
+
 class ExerciseError(AssertionError):
     """The answer is wrong or missing; the message says how."""
 
@@ -37,6 +46,74 @@ class ExerciseError(AssertionError):
 def not_implemented(exc: BaseException) -> bool:
     """True when the answer is still the learner's stub."""
     return isinstance(exc, NotImplementedError) or "NotImplementedError" in str(exc)
+
+
+def show_expected(name: str) -> None:
+    """From now on, a wrong answer to the check ``name`` (as its messages begin: ``"split the batch"``)
+    shows the expected value at once, not only from the second wrong try on."""
+    _SHOWN.add(name)
+    print(f"{name}: a wrong answer now shows the expected value too.")
+
+
+def reset_tries() -> None:
+    """Forget every wrong try and every ``show_expected``: a fresh kernel's state (for tests)."""
+    _WRONG_TRIES.clear()
+    _SHOWN.clear()
+
+
+def wrong(name: str, mistake: str, expected: str = "") -> ExerciseError:
+    """The error for a wrong answer to the check ``name``, to raise. ``mistake`` says what is wrong and
+    hints at why; ``expected`` (the expected value, as text) is added from the second wrong try of this
+    check on, or after ``show_expected(name)``. A first try with something to show says how to see it."""
+    _WRONG_TRIES[name] = tries = _WRONG_TRIES.get(name, 0) + 1
+    message = mistake if mistake.startswith(name) else f"{name}: {mistake}"
+    if expected and (tries >= 2 or name in _SHOWN):
+        message += f"\nExpected: {expected}"
+    elif expected:
+        message += (f"\n(Try again: a second wrong try shows the expected value, "
+                    f"or call minitp.exercises.show_expected({name!r}) to see it now.)")
+    return ExerciseError(message)
+
+
+def _names_used(code) -> tuple[set[str], set[str]]:
+    """(global names, attribute names) that ``code`` and the functions defined in it load."""
+    globals_, attributes = set(), set()
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            globals_.add(instruction.argval)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            attributes.add(instruction.argval)
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            inner = _names_used(const)
+            globals_ |= inner[0]
+            attributes |= inner[1]
+    return globals_, attributes
+
+
+def refuse_own(name: str, fn, *own) -> None:
+    """Refuse an answer that is one of minitp's own functions ``own``, or whose code calls one (by its
+    name as an attribute, ``pp.one_f_one_b``, or as a global bound to it): the exercise is to write it.
+    Read from the answer's code, before it runs; nothing is replaced."""
+    code = getattr(fn, "__code__", None)
+    globals_, attributes = _names_used(code) if code is not None else (set(), set())
+    bound = dict(getattr(fn, "__globals__", {}))
+    for var, cell in zip(code.co_freevars if code is not None else (), getattr(fn, "__closure__", None) or ()):
+        try:
+            bound[var] = cell.cell_contents  # a name the answer closes over
+            globals_.add(var)
+        except ValueError:  # pragma: no cover - a cell not filled yet
+            pass
+    for solution in own:
+        where = f"{solution.__module__}.{solution.__qualname__}"
+        if fn is solution:
+            raise ExerciseError(f"{name}: that is {where}, minitp's own answer: the exercise is to write it. "
+                                "Replace the stub with your own code.")
+        called = solution.__name__ in attributes or (
+            solution.__name__ in globals_ and bound.get(solution.__name__) is solution)
+        if called:
+            raise ExerciseError(f"{name}: your code calls {where}, minitp's own answer: the exercise is to write "
+                                "it.")
 
 
 def passed(name: str, detail: str = "") -> None:
@@ -116,4 +193,4 @@ def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.
 
 
 __all__ = ["ExerciseError", "HANG_HINT", "NOT_DONE", "call_answer", "learner_frames", "not_implemented", "passed",
-           "run_answer"]
+           "refuse_own", "reset_tries", "run_answer", "show_expected", "wrong"]

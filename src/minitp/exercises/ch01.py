@@ -27,7 +27,7 @@ import time
 import torch
 
 from minitp import cost, ddp, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
 
@@ -72,14 +72,15 @@ def check_split_batch(fn, world_sizes: tuple[int, ...] = (2, 4), batch_size: int
                 got_rows.append(rows)
                 continue
             if rows == list(range(rank, batch_size, n)):
-                raise ExerciseError(f"{name}: {where}: you dealt the rows out like cards (batch[rank::n], rows "
-                                    f"{rows}). That covers the batch too, but split_batch keeps each rank's rows "
-                                    f"together and in order: rows {want}, i.e. [rank * m/n, (rank + 1) * m/n).")
+                raise wrong(name, f"{name}: {where}: you dealt the rows out like cards (batch[rank::n], rows "
+                                  f"{rows}). That covers the batch too, but split_batch keeps each rank's rows "
+                                  "together and in order: [rank * m/n, (rank + 1) * m/n).", f"rows {want}")
             for k in range(n):
                 if k != rank and rows == list(range(k * size, (k + 1) * size)):
-                    raise ExerciseError(f"{name}: {where}: you returned rank {k}'s rows {rows}; rank {rank}'s are "
-                                        f"{want}, i.e. batch[rank * m/n : (rank + 1) * m/n].")
-            raise ExerciseError(f"{name}: {where}: expected rows {want}, got rows {rows}.")
+                    raise wrong(name, f"{name}: {where}: you returned rank {k}'s rows {rows}: rank r's rows start "
+                                      "at row r * m/n.", f"rows {want}")
+            raise wrong(name, f"{name}: {where}: you returned rows {rows}, not this rank's: every rank keeps m/n "
+                              "consecutive rows, in rank order.", f"rows {want}")
         flat = [r for rows in got_rows for r in rows]
         if sorted(flat) != list(range(batch_size)) or len(set(flat)) != batch_size:  # pragma: no cover
             raise ExerciseError(f"{name}: on {n} ranks the slices overlap or leave rows out: {got_rows}.")
@@ -135,7 +136,9 @@ def check_average_bucket(fn, nprocs: tuple[int, ...] = (2, 4), numel: int = 12, 
             if torch.allclose(got, mean / n, rtol=1e-6, atol=1e-6):
                 raise ExerciseError(f"{name} {where}: your bucket is the mean divided by n once more: divide "
                                     "once, by the world size.")
-            raise ExerciseError(f"{name} {where}: expected {mean.tolist()}, got {got.tolist()}.")
+            raise wrong(name, f"{name} {where}: your bucket is {got.tolist()}, not the mean over the ranks of their "
+                              "buckets: sum over the ranks with one all-reduce, and divide by the world size.",
+                        str(mean.tolist()))
         events = [e for e in results.traces[0].comm() if _ANSWER in e.scopes]
         ops = [e.op for e in events]
         if not events:
@@ -153,7 +156,7 @@ def check_average_bucket(fn, nprocs: tuple[int, ...] = (2, 4), numel: int = 12, 
         want = cost.collective_sent_bytes("all_reduce", bucket_bytes, n)
         sent = trace.sent_bytes_per_rank(results.traces, scope=_ANSWER)
         if any(s != want for s in sent):  # pragma: no cover - follows from one all-reduce per rank
-            raise ExerciseError(f"{name}: the ranks sent {sent} bytes, expected 2(n-1)/n * B = {want:g} each.")
+            raise wrong(name, f"the ranks sent {sent} bytes, not 2(n-1)/n * B each.", f"{want:g} bytes each")
     passed(name, f"the mean on {' and '.join(map(str, nprocs))} ranks, one all-reduce of the bucket's "
                  "bytes, 2(n-1)/n * B sent per rank")
 
@@ -177,12 +180,14 @@ def _bytes_hint(got: float, psi: int, n: int, b: int) -> str:
         return "Each rank sends n-1 chunks of B/n per half, not n-1 whole copies: 2(n-1)/n · B."
     if near(n * psi * b) or near(2 * n * psi * b):
         return "A rank's traffic does not grow with n in a ring: it approaches 2B, whatever n."
-    return "One ring all-reduce of every gradient per step: 2(n-1)/n · Ψ · grad_bytes."
+    return ("One ring all-reduce of every gradient per step: how many chunks of B/n does a rank send in each of "
+            "its two halves, the reduce-scatter and the all-gather?")
 
 
 def check_ddp_bytes(fn) -> None:
     """``fn(num_params, world_size, grad_bytes)`` must give ``cost.ddp_step_bytes``."""
     name = "DDP bytes per step"
+    refuse_own(name, fn, cost.ddp_step_bytes)
     for psi in (164_416, 8_030_261_248):  # the tiny model's Ψ and LLaMA-3-8B's
         for n in (4, 2, 8, 1, 64):
             for b in (4, 2):
@@ -197,8 +202,8 @@ def check_ddp_bytes(fn) -> None:
                 if math.isclose(float(got), want, rel_tol=1e-9, abs_tol=1e-9):
                     continue
                 hint = _bytes_hint(float(got), psi, n, b)
-                raise ExerciseError(f"{name}: for Ψ = {psi:,} parameters, n = {n} ranks, {b}-byte gradients you "
-                                    f"gave {float(got):,.0f} bytes, expected {want:,.0f}. {hint}")
+                raise wrong(name, f"for Ψ = {psi:,} parameters, n = {n} ranks, {b}-byte gradients you gave "
+                                  f"{float(got):,.0f} bytes. {hint}", f"{want:,.0f} bytes")
     passed(name, "2(n-1)/n · Ψ · b per rank, as minitp.cost.ddp_step_bytes")
 
 
@@ -352,7 +357,7 @@ def check_bucketed_ddp(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, time
                 sent = sum(e.sent_bytes for e in mine)
                 want = cost.ddp_step_bytes(psi, n)
                 if not math.isclose(sent, want, rel_tol=1e-9):  # pragma: no cover - follows from the bytes
-                    raise ExerciseError(f"{name} {where}: sent {sent:g} bytes, expected 2(n-1)/n * Ψ * 4 = {want:g}.")
+                    raise wrong(name, f"{name} {where}: sent {sent:g} bytes, not 2(n-1)/n * Ψ * 4.", f"{want:g} bytes")
                 off = [k for k in got["library"] if not _close(got["grads"][k], got["library"][k])]
                 if off:  # pragma: no cover - minitp.ddp matches one process in its own tests
                     raise ExerciseError(f"{name} {where}: {off[0]}.grad differs from minitp.ddp's.")

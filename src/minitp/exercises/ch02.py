@@ -28,7 +28,7 @@ import math
 import torch
 
 from minitp import cost, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, run_answer, wrong
 from minitp.exercises.ch02_unit import check_fsdp_unit
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
@@ -64,7 +64,8 @@ def _shard_worker(shard_fn, unshard_fn, sizes):
     return out
 
 
-def _explain_shard(got, flat: torch.Tensor, rank: int, n: int) -> str:
+def _explain_shard(got, flat: torch.Tensor, rank: int, n: int) -> str | tuple[str, str]:
+    """What is wrong with rank ``rank``'s shard ("" when nothing), or (the mistake, the expected values)."""
     numel = flat.numel()
     padded = cost.padded_numel(numel, n)
     s = padded // n
@@ -99,10 +100,12 @@ def _explain_shard(got, flat: torch.Tensor, rank: int, n: int) -> str:
     if torch.equal(got[real & (want != 0)], want[want != 0]) and not torch.equal(got[want == 0], want[want == 0]):
         return (f"{where}: the real elements are right but the padding is {got[want == 0].tolist()}, expected zeros. "
                 "Pad with zeros (torch.zeros, not torch.empty): the padding must never change a result.")
-    return f"{where}: expected {want.tolist()}, got {got.tolist()}."
+    return (f"{where}: your shard is {got.tolist()}, not this rank's slice. Pad the flat parameter with zeros to "
+            f"P = {padded} elements; rank r keeps elements [r * P/n, (r + 1) * P/n).", str(want.tolist()))
 
 
-def _explain_full(got, flat: torch.Tensor, n: int) -> str:
+def _explain_full(got, flat: torch.Tensor, n: int) -> str | tuple[str, str]:
+    """What is wrong with an unshard's result ("" when nothing), or (the mistake, the expected values)."""
     numel = flat.numel()
     padded = cost.padded_numel(numel, n)
     where = f"unshard of a flat parameter of {numel} elements on {n} ranks"
@@ -120,7 +123,8 @@ def _explain_full(got, flat: torch.Tensor, n: int) -> str:
     own = [r for r in range(n) if torch.equal(got[:min(s, numel)], _padded(flat, n)[r * s:r * s + min(s, numel)])]
     hint = (" It starts with rank " + str(own[0]) + "'s shard: chunk i of the gathered buffer must be rank i's "
             "shard.") if own and own[0] != 0 else ""
-    return f"{where}: expected {flat.tolist()}, got {got.tolist()}.{hint}"
+    hint = hint or " Gather every rank's shard in rank order, then drop the padding."
+    return f"{where}: you returned {got.tolist()}, not the parameter the shards came from.{hint}", str(flat.tolist())
 
 
 def check_shard_unshard(shard_fn, unshard_fn, nprocs: tuple[int, ...] = (4, 3), timeout: float = 20.0) -> None:
@@ -135,12 +139,11 @@ def check_shard_unshard(shard_fn, unshard_fn, nprocs: tuple[int, ...] = (4, 3), 
                 if r["changed"]:
                     raise ExerciseError(f"{name}: shard changed the flat parameter it was given (rank {rank}); "
                                         "build a padded copy instead of writing into `flat`.")
-                problem = _explain_shard(r["shard"], r["flat"], rank, n)
-                if problem:
-                    raise ExerciseError(f"{name}: {problem}")
-                problem = _explain_full(r["full"], r["flat"], n)
-                if problem:
-                    raise ExerciseError(f"{name}: {problem}")
+                for problem in (_explain_shard(r["shard"], r["flat"], rank, n), _explain_full(r["full"], r["flat"], n)):
+                    if isinstance(problem, tuple):
+                        raise wrong(name, *problem)
+                    if problem:
+                        raise ExerciseError(f"{name}: {problem}")
         tr = results.traces[0]
         ops = sorted({e.op for e in _ops(tr)})
         if not ops:
@@ -152,9 +155,9 @@ def check_shard_unshard(shard_fn, unshard_fn, nprocs: tuple[int, ...] = (4, 3), 
         want = sum(cost.collective_sent_bytes("all_gather", cost.padded_numel(m, n) * 4, n) for m in _SIZES)
         got = tr.sent_bytes(scope=_ANSWER)
         if got != want:
-            raise ExerciseError(f"{name}: the values are right, but rank 0 sent {got:g} bytes for the three "
-                                f"unshards, expected {want:g} ((n-1)/n * P * 4 bytes each, n = {n}): gather once "
-                                "per parameter, P elements out, P / n in.")
+            raise wrong(name, f"the values are right, but rank 0 sent {got:g} bytes for the three unshards, not "
+                              f"(n-1)/n * P * 4 bytes each (n = {n}): gather once per parameter, P elements out, "
+                              "P / n in.", f"{want:g} bytes")
     passed(name, f"padded layout of minitp.fsdp on {' and '.join(map(str, nprocs))} ranks, "
                  "one all-gather of (n-1)/n * B per unshard")
 
@@ -213,7 +216,9 @@ def check_reduce_gradient(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
             if torch.allclose(got, mine, rtol=1e-6, atol=1e-6) or torch.allclose(got, mine / n, rtol=1e-6, atol=1e-6):
                 raise ExerciseError(f"{name} {where}: that is this rank's own local gradient, not summed over the "
                                     "ranks: the reduce-scatter adds every rank's chunk `rank` into this rank's output.")
-            raise ExerciseError(f"{name} {where}: expected {want.tolist()}, got {got.tolist()}.")
+            raise wrong(name, f"{name} {where}: you returned {got.tolist()}, not this rank's shard of the mean "
+                              "gradient: reduce-scatter the (P,) gradient with the sum, then divide by n.",
+                        str(want.tolist()))
         ops = sorted({e.op for e in _ops(results.traces[0])})
         if not ops:
             raise ExerciseError(f"{name}: the values are right but no message was traced: use "
@@ -227,8 +232,9 @@ def check_reduce_gradient(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
         want_bytes = cost.collective_sent_bytes("reduce_scatter", n * per_rank * 4, n)
         sent = trace.sent_bytes_per_rank(results.traces, scope=_ANSWER)
         if any(s != want_bytes for s in sent):
-            raise ExerciseError(f"{name}: the values are right, but the ranks sent {[f'{s:g}' for s in sent]} bytes, "
-                                f"expected (n-1)/n * B = {want_bytes:g} each: one reduce-scatter of the fp32 gradient.")
+            raise wrong(name, f"the values are right, but the ranks sent {[f'{s:g}' for s in sent]} bytes, not "
+                              "(n-1)/n * B each: one reduce-scatter of the fp32 gradient.",
+                        f"{want_bytes:g} bytes each")
     passed(name, f"the mean gradient's shard on {' and '.join(map(str, nprocs))} ranks, "
                  "one reduce-scatter of (n-1)/n * B per rank")
 
@@ -282,9 +288,9 @@ def check_memory_per_rank(fn) -> None:
                 want = _fp32(psi, n, zero)
                 if math.isclose(float(got), want, rel_tol=1e-9):
                     continue
-                raise ExerciseError(f"{name}: for Ψ = {psi:,} parameters on n = {n} ranks at ZeRO-{zero} you gave "
-                                    f"{float(got):,.0f} bytes, expected {want:,.0f}. "
-                                    f"{_memory_hint(float(got), psi, n, zero)}")
+                raise wrong(name, f"for Ψ = {psi:,} parameters on n = {n} ranks at ZeRO-{zero} you gave "
+                                  f"{float(got):,.0f} bytes. {_memory_hint(float(got), psi, n, zero)}",
+                            f"{want:,.0f} bytes")
     passed(name, "DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/n, ZeRO-2 4Ψ + 12Ψ/n, ZeRO-3 16Ψ/n")
 
 

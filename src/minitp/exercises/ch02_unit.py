@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from minitp import comm, cost, fsdp, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, run_answer, wrong
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
 
@@ -141,7 +141,10 @@ def _check_shard(name: str, where: str, got, flat: torch.Tensor, n: int, rank: i
         raise ExerciseError(f"{name} {where}: unit {unit}'s shard is strided (flat[rank::n]); minitp.fsdp keeps a "
                             "contiguous slice, [r * P/n, (r + 1) * P/n), so one all-gather puts the slices "
                             "back in order.")
-    raise ExerciseError(f"{name} {where}: unit {unit}'s shard is {got.tolist()}, expected {want.tolist()}.")
+    raise wrong(name, f"{name} {where}: unit {unit}'s shard is {got.tolist()}, not this rank's slice: pad the "
+                      "unit's flat parameters with zeros to P, a multiple of n; rank r keeps elements "
+                      "[r * P/n, (r + 1) * P/n).",
+                str(want.tolist()))
 
 
 def check_fsdp_unit(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, timeout: float = 60.0) -> None:
@@ -207,8 +210,8 @@ def check_fsdp_unit(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, timeout
             sent = sum(e.sent_bytes for e in events) / steps
             want = cost.fsdp_step_bytes(numels, n, zero=3, root=False)
             if not math.isclose(sent, want, rel_tol=1e-9):
-                raise ExerciseError(f"{name} {where}: sent {sent:g} bytes per step, expected {want:g} (two "
-                                    "all-gathers and one reduce-scatter of each padded unit).")
+                raise wrong(name, f"{name} {where}: sent {sent:g} bytes per step, not what two all-gathers and one "
+                                  "reduce-scatter of each padded unit send.", f"{want:g} bytes per step")
             for i, (got, want) in enumerate(zip(r["final"], r["single_final"])):
                 if not torch.allclose(got, _slice_of(want, n, rank), rtol=1e-5, atol=1e-6):  # pragma: no cover
                     raise ExerciseError(f"{name} {where}: after {steps} steps unit {i}'s shard differs from one "

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minitp import cost, regions, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, run_answer, wrong
 from minitp.exercises.ch03 import ANSWER, TOL, answer_messages, max_diff, phase
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 
@@ -239,8 +239,8 @@ def check_swiglu_bytes_per_rank(fn) -> None:
         ]
         hint = next((h for v, h in hints if math.isclose(float(got), v, rel_tol=1e-9)),
                     "Three D x F matrices, each split over tp ranks, dtype_bytes bytes per element.")
-        raise ExerciseError(f"{name}: for D={dim}, F={hidden}, tp={tp}, {b} bytes per element you gave "
-                            f"{float(got):,.0f} bytes, expected {want:,.0f}. {hint}")
+        raise wrong(name, f"for D={dim}, F={hidden}, tp={tp}, {b} bytes per element you gave {float(got):,.0f} "
+                          f"bytes. {hint}", f"{want:,.0f} bytes")
     passed(name, "3·D·F·b / tp bytes per rank")
 
 

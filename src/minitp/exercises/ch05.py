@@ -20,7 +20,7 @@ import math
 import torch
 
 from minitp import cost, pp, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
 from minitp.exercises.ch05_runtime import as_actions, check_pipeline_runtime, check_zero_bubble  # noqa: F401
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
@@ -42,6 +42,7 @@ def _warmup(actions: list[pp.Action]) -> int:
 def check_one_f_one_b(fn) -> None:
     """``fn(stage, num_stages, microbatches)`` must give the 1F1B order of that stage."""
     name = "1F1B order"
+    refuse_own(name, fn, pp.one_f_one_b)
     cases = [(s, 4, 8) for s in range(4)] + [(s, 3, 4) for s in range(3)] + [(0, 4, 2), (1, 4, 2), (3, 4, 2),
                                                                              (0, 2, 1), (0, 1, 3), (2, 5, 7)]
     answers = {}
@@ -53,35 +54,35 @@ def check_one_f_one_b(fn) -> None:
                                 "Replace the stub with your answer and run the check again.") from None
         got = answers[stage, p, m] = as_actions(got, name, "FB")
         want = pp.one_f_one_b(p, m)[stage]
-        head = f"{name}, stage {stage} of p={p}, m={m}:\n  expected {_show(want)}\n  got      {_show(got)}\n"
+        head = f"{name}, stage {stage} of p={p}, m={m}:\n  you gave {_show(got)}\n"
         if sorted(got) != sorted(want):
-            raise ExerciseError(head + f"Every micro-batch 0..{m - 1} needs exactly one forward and one backward "
-                                "on every stage (2m actions).")
+            raise wrong(name, head + f"Every micro-batch 0..{m - 1} needs exactly one forward and one backward "
+                        "on every stage (2m actions).", _show(want))
         late = [i for i in range(m) if got.index(pp.Action("B", i)) < got.index(pp.Action("F", i))]
         if late:
-            raise ExerciseError(head + f"The backward of micro-batch {late[0]} comes before its forward: a "
-                                "backward needs the activations its forward kept.")
+            raise wrong(name, head + f"The backward of micro-batch {late[0]} comes before its forward: a "
+                        "backward needs the activations its forward kept.", _show(want))
     for stage, p, m in cases:  # then what makes it another schedule than 1F1B
         got, want = answers[stage, p, m], pp.one_f_one_b(p, m)[stage]
         if got == want:
             continue
-        head = f"{name}, stage {stage} of p={p}, m={m}:\n  expected {_show(want)}\n  got      {_show(got)}\n"
+        head = f"{name}, stage {stage} of p={p}, m={m}:\n  you gave {_show(got)}\n"
         if got == pp.gpipe(p, m)[stage] or _warmup(got) == m and m > p - stage - 1:
-            raise ExerciseError(head + "That runs every forward before any backward (GPipe): the stage then "
-                                "holds all m micro-batches. 1F1B starts backwards as soon as it can.")
+            raise wrong(name, head + "That runs every forward before any backward (GPipe): the stage then "
+                        "holds all m micro-batches. 1F1B starts backwards as soon as it can.", _show(want))
         w, w_want = _warmup(got), _warmup(want)
         if w != w_want:
             more = "many" if w > w_want else "few"
-            raise ExerciseError(
-                head + f"{w} forwards run before the first backward, expected {w_want}: too {more} warm-up "
-                f"forwards. Stage s runs p - s - 1 warm-up forwards (never more than m), then one more forward "
-                "before its first backward: it fills the pipe below it, and no more.")
+            raise wrong(
+                name, head + f"{w} forwards run before the first backward: too {more} warm-up forwards. How many "
+                "micro-batches must this stage start before the first gradient can come back to it from the last "
+                "stage? Enough to fill the pipe below it, and no more (never more than m).", _show(want))
         backs = [a.microbatch for a in got if a.kind == "B"]
         if backs != sorted(backs):
-            raise ExerciseError(head + "Run the backwards in increasing micro-batch order, the order the "
-                                "gradients come back from the next stage.")
-        raise ExerciseError(head + "After the warm-up, alternate one forward and one backward; when the "
-                            "forwards run out, drain the remaining backwards.")
+            raise wrong(name, head + "Run the backwards in increasing micro-batch order, the order the "
+                        "gradients come back from the next stage.", _show(want))
+        raise wrong(name, head + "After the warm-up, alternate one forward and one backward; when the "
+                    "forwards run out, drain the remaining backwards.", _show(want))
     for p, m in ((4, 8), (3, 5)):  # the whole schedule must play without a deadlock
         schedule = [as_actions(fn(s, p, m), name, "FB") for s in range(p)]
         try:
@@ -191,6 +192,7 @@ def check_send_recv_loop(fn, nprocs: tuple[int, ...] = (2, 4), timeout: float = 
 def check_bubble(fn) -> None:
     """``fn(p, m)``: the idle share of a step with p equal stages and m micro-batches."""
     name = "bubble fraction"
+    refuse_own(name, fn, cost.pp_bubble_fraction)
     cases = [(4, 8), (2, 1), (8, 32), (4, 1), (8, 8), (3, 5), (1, 4), (16, 64)]
     for p, m in cases:
         try:
@@ -213,7 +215,8 @@ def check_bubble(fn) -> None:
             (1 - (p - 1) / (m + p - 1), "That is the busy share; the bubble is what is left idle."),
         ]
         hint = next((h for v, h in hints if math.isclose(float(got), v, rel_tol=1e-9, abs_tol=1e-12)),
-                    "Each stage computes in m of the step's m + p - 1 slots.")
-        raise ExerciseError(f"{name}: for p={p}, m={m} you gave {float(got):.4f}, expected {want:.4f}. {hint}")
+                    "Count in slots of one micro-batch: how many slots does the step last, and in how many of "
+                    "them does one stage compute?")
+        raise wrong(name, f"for p={p}, m={m} you gave {float(got):.4f}. {hint}", f"{want:.4f}")
     passed(name, "(p-1)/(m+p-1): 0.273 at p=4, m=8; 0.179 at p=8, m=32")
 

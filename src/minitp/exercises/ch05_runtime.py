@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from minitp import cost, pp, trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
 
@@ -51,6 +51,7 @@ def as_actions(got, name: str, kinds: str = "FBW") -> list[pp.Action]:
 def check_zero_bubble(fn) -> None:
     """``fn(stage, num_stages, microbatches)`` must give the ZB-H1 order of that stage."""
     name = "zero-bubble table"
+    refuse_own(name, fn, pp.zero_bubble_h1)
     cases = [(s, 4, 8) for s in range(4)] + [(s, 2, 4) for s in range(2)] + [(s, 3, 6) for s in range(3)]
     for stage, p, m in cases:
         try:
@@ -61,32 +62,33 @@ def check_zero_bubble(fn) -> None:
         got, want = as_actions(got, name), pp.zero_bubble_h1(p, m)[stage]
         if got == want:
             continue
-        head = f"{name}, stage {stage} of p={p}, m={m}:\n  expected {_show(want)}\n  got      {_show(got)}\n"
+        head = f"{name}, stage {stage} of p={p}, m={m}:\n  you gave {_show(got)}\n"
         if not any(a.kind == "W" for a in got):
-            raise ExerciseError(head + "There is no W: zero-bubble cuts each backward in two, B (the input "
-                                "gradient, sent back at once) and W (the weight gradient), one of each per "
-                                "micro-batch.")
+            raise wrong(name, head + "There is no W: zero-bubble cuts each backward in two, B (the input "
+                              "gradient, sent back at once) and W (the weight gradient), one of each per "
+                              "micro-batch.", _show(want))
         if sorted(got) != sorted(want):
-            raise ExerciseError(head + f"Every micro-batch 0..{m - 1} needs exactly one F, one B and one W.")
+            raise wrong(name, head + f"Every micro-batch 0..{m - 1} needs exactly one F, one B and one W.",
+                        _show(want))
         for i in range(m):
             at = [got.index(pp.Action(k, i)) for k in "FBW"]
             if at != sorted(at):
-                raise ExerciseError(head + f"Micro-batch {i} runs out of order: F, then B (needs F's activations), "
-                                    "then W (needs what B left: the layers' inputs and output gradients).")
+                raise wrong(name, head + f"Micro-batch {i} runs out of order: F, then B (needs F's activations), "
+                                  "then W (needs what B left: the layers' inputs and output gradients).", _show(want))
         if [a for a in got if a.kind != "W"] != [a for a in want if a.kind != "W"]:
-            raise ExerciseError(head + "Keep 1F1B's order of F and B (with p - s forwards before the first B); "
-                                "only the W's are new.")
+            raise wrong(name, head + "Keep 1F1B's order of F and B (with p - s forwards before the first B); "
+                              "only the W's are new.", _show(want))
         ws = [k for k, a in enumerate(got) if a.kind == "W"]
         if ws == list(range(len(got) - m, len(got))) and m > p - stage:
-            raise ExerciseError(head + "Every W waits until the end: the stage then keeps all m micro-batches' "
-                                "inputs and gradients, as GPipe keeps activations. Run W(i - s) right after B(i), so "
-                                "a stage never holds more than p micro-batches.")
+            raise wrong(name, head + "Every W waits until the end: the stage then keeps all m micro-batches' "
+                              "inputs and gradients, as GPipe keeps activations. Run W(i - s) right after B(i), so "
+                              "a stage never holds more than p micro-batches.", _show(want))
         delay = next((i - got[k - 1].microbatch for k in ws if got[k - 1].kind == "B"
                       for i in [got[k].microbatch]), None)
-        raise ExerciseError(head + f"Stage s runs W(i - s) right after B(i) (here s = {stage}); your W's are "
-                            f"{'not right after a B' if delay is None else f'{-delay} micro-batches behind'}. "
-                            "The last stages hold back the most W's, so the gradient the others wait for goes "
-                            "out sooner.")
+        raise wrong(name, head + f"Stage s runs W(i - s) right after B(i) (here s = {stage}); your W's are "
+                          f"{'not right after a B' if delay is None else f'{-delay} micro-batches behind'}. "
+                          "The last stages hold back the most W's, so the gradient the others wait for goes "
+                          "out sooner.", _show(want))
     p, m = 4, 8
     table = [as_actions(fn(s, p, m), name) for s in range(p)]
     zb = pp.bubble_fraction(pp.simulate(table, 1.0, 2.0))[0]

@@ -23,7 +23,7 @@ import math
 import torch
 
 from minitp import cost, mesh
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
 from minitp.grid import coordinates, group_lists
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 
@@ -100,17 +100,18 @@ def _compare_position(name: str, rank: int, layout: tuple[int, int, int], answer
                                         "group is made of neighbouring ranks (one machine)."),
                           (_pp_tp_swapped, "pp and tp are swapped: you let pp vary fastest. tp varies fastest, "
                                            "then pp, then dp: rank = (dp_rank·pp + pp_rank)·tp + tp_rank.")):
-        wrong = mistake(rank, dp, pp, tp)
-        if got == (wrong[0], {d: sorted(wrong[1][d]) for d in ("tp", "pp", "dp")}):
-            raise ExerciseError(f"{name}: for {where} you gave coordinates {got[0]} and groups {got[1]}, expected "
-                                f"{want[0]} and {want[1]}: {hint}")
+        other = mistake(rank, dp, pp, tp)
+        if got == (other[0], {d: sorted(other[1][d]) for d in ("tp", "pp", "dp")}):
+            raise wrong(name, f"for {where} you gave coordinates {got[0]} and groups {got[1]}: {hint}",
+                        f"coordinates {want[0]} and groups {want[1]}")
     if got[0] != want[0]:
-        raise ExerciseError(f"{name}: for {where} you gave coordinates (dp, pp, tp) = {got[0]}, expected {want[0]}. "
-                            "Hint: tp_rank = rank % tp, pp_rank = (rank // tp) % pp, dp_rank = rank // (pp·tp).")
+        raise wrong(name, f"for {where} you gave coordinates (dp, pp, tp) = {got[0]}. Hint: tp varies fastest, "
+                          "then pp, then dp, as in rank = (dp_rank·pp + pp_rank)·tp + tp_rank; undo that with "
+                          "% and //, starting with tp.", f"coordinates {want[0]}")
     dim = next(d for d in ("tp", "pp", "dp") if got[1][d] != want[1][d])
-    raise ExerciseError(f"{name}: for {where} the coordinates are right but the {dim} group is {got[1][dim]}, "
-                        f"expected {want[1][dim]}. Its members share the other two coordinates and run "
-                        f"through every {dim}_rank: rank_of(...) for {dim}_rank in range({dim}).")
+    raise wrong(name, f"for {where} the coordinates are right but the {dim} group is {got[1][dim]}. Its members "
+                      f"share the other two coordinates and run through every {dim}_rank: rank_of(...) for "
+                      f"{dim}_rank in range({dim}).", f"the {dim} group {want[1][dim]}")
 
 
 def check_mesh_position(fn) -> None:
@@ -137,6 +138,7 @@ def _ring(nbytes: float, n: int) -> float:
 def check_step_bytes(fn) -> None:
     """``fn(cfg, batch, seq, dp, tp, pp, stage)`` -> {"tp", "pp", "dp"}: one step, fp32, DDP."""
     name = "bytes of one step per dimension"
+    refuse_own(name, fn, cost.threed_step_bytes)
     cases = [(TINY, "tiny", 8, 16, 2, 2, 2, 0), (TINY, "tiny", 8, 16, 2, 2, 2, 1),
              (TINY, "tiny", 8, 16, 1, 2, 4, 0), (TINY, "tiny", 8, 16, 1, 2, 4, 2),
              (TINY, "tiny", 8, 16, 1, 2, 4, 3), (TINY, "tiny", 8, 16, 4, 1, 2, 1),
@@ -157,13 +159,13 @@ def check_step_bytes(fn) -> None:
                              "the output layer and the loss)",
                        "pp": "the activations sent to the next stage and the gradients sent back",
                        "dp": "the all-reduce of this rank's gradients over its dp group"}[dim]
-                raise ExerciseError(f"{name}: for {where} the {dim} bytes are {value!r}, expected {want[dim]:,.0f}: "
-                                    f"you left out the {dim} bytes: {why}.")
+                raise wrong(name, f"for {where} the {dim} bytes are {value!r}: you left out the {dim} bytes: {why}.",
+                            f"{dim} = {want[dim]:,.0f} bytes")
             if math.isclose(float(value), want[dim], rel_tol=1e-9, abs_tol=1e-6):
                 continue
             hint = _bytes_hint(dim, float(value), want[dim], cfg, batch, seq, dp, tp, pp, stage)
-            raise ExerciseError(f"{name}: for {where} you gave {dim} = {float(value):,.0f} bytes, expected "
-                                f"{want[dim]:,.0f}. {hint}")
+            raise wrong(name, f"for {where} you gave {dim} = {float(value):,.0f} bytes. {hint}",
+                        f"{dim} = {want[dim]:,.0f} bytes")
     passed(name, "tp, pp and dp all match minitp.cost on 8 layouts and stages")
 
 
@@ -189,7 +191,8 @@ def _bytes_hint(dim, got, want, cfg, batch, seq, dp, tp, pp, stage) -> str:
                 "its stage's tp slice, Ψ_rank = cost.threed_params_per_rank(cfg, tp, pp, stage).")
     if close(got, 4 * psi) or close(got, 2 * 4 * psi):
         return "An all-reduce of A bytes sends 2(dp-1)/dp · A per rank on a ring."
-    return f"The gradients of this rank's Ψ_rank = {psi:,} parameters, all-reduced over dp: 2(dp-1)/dp · 4 Ψ_rank."
+    return ("The gradients of the parameters this rank holds (Ψ_rank, its stage's tp slice), all-reduced over dp: "
+            "2(dp-1)/dp · 4 Ψ_rank.")
 
 
 # -- exercise 3: the layout that fits ---------------------------------------------------------------------
@@ -226,6 +229,7 @@ def mesh_layouts(gpus: int) -> list[tuple[int, int, int]]:
 def check_choose_layout(fn) -> None:
     """``fn(cfg, gpus, gpu_memory_bytes, gpus_per_node)`` -> (dp, pp, tp) or None."""
     name = "the layout that fits"
+    refuse_own(name, fn, reference_layout)
     h100 = cost.H100.memory_bytes / GIB  # 80 GiB, the hardware sheet's
     cases = [(LLAMA3_8B, "LLaMA-3-8B", 64, h100), (LLAMA3_8B, "LLaMA-3-8B", 64, 24),
              (LLAMA3_70B, "LLaMA-3-70B", 64, h100), (LLAMA3_70B, "LLaMA-3-70B", 64, 40),
@@ -252,8 +256,9 @@ def check_choose_layout(fn) -> None:
                                 f"{need / GIB:.1f} GiB per GPU in parameters, gradients and AdamW state. "
                                 "Return None when nothing fits.")
         if got is None:
-            raise ExerciseError(f"{name}: for {where} you returned None, but {want} fits "
-                                f"({_states(cfg, *want) / GIB:.1f} GiB per GPU).")
+            raise wrong(name, f"for {where} you returned None, but a layout fits. Count 16 bytes per parameter a "
+                              "rank holds (its stage's tp slice), for the stage that holds the most.",
+                        f"{want} ({_states(cfg, *want) / GIB:.1f} GiB per GPU)")
         if len(got) != 3 or math.prod(got) != gpus:
             raise ExerciseError(f"{name}: for {where} you chose (dp, pp, tp) = {got}, whose product is not {gpus}.")
         dp, pp, tp = got
@@ -275,11 +280,11 @@ def check_choose_layout(fn) -> None:
                                 f"than {shown}. Count 16 bytes per parameter a rank holds (its stage's tp slice), "
                                 "for the stage that holds the most.")
         if dp < want[0]:
-            raise ExerciseError(f"{name}: for {where} you chose {got} ({need / GIB:.1f} GiB), but {want} also fits "
-                                f"({_states(cfg, *want) / GIB:.1f} GiB) with more data parallel. Did you count "
-                                "the whole model on every GPU, or 4-byte parameters?")
-        raise ExerciseError(f"{name}: for {where} you chose {got}, expected {want}: with the same dp, prefer the "
-                            "larger tp (it stays inside a machine and leaves no pipeline bubble).")
+            raise wrong(name, f"for {where} you chose {got} ({need / GIB:.1f} GiB), but a layout with more data "
+                              "parallel also fits. Did you count the whole model on every GPU, or 4-byte "
+                              "parameters?", f"{want} ({_states(cfg, *want) / GIB:.1f} GiB per GPU)")
+        raise wrong(name, f"for {where} you chose {got}: with the same dp, prefer the larger tp (it stays inside a "
+                          "machine and leaves no pipeline bubble).", str(want))
     passed(name, "6 cases, LLaMA-3-8B and 70B included")
 
 
@@ -334,15 +339,15 @@ def check_make_groups(fn, layouts=_GROUP_LAYOUTS, timeout: float = 60.0) -> None
             got = r["answer"]
             coords = coordinates(rank, dp, pp, tp)
             if got != want:
-                wrong = _dp_fastest(rank, dp, pp, tp)[1]
-                if all(sorted(got[d]) == sorted(wrong[d]) for d in want) and wrong != want:
-                    raise ExerciseError(f"{name}: for {where} you gave {got}, expected {want}: you let dp vary "
-                                        "fastest. minitp places tp fastest, rank = (dp_rank·pp + pp_rank)·tp + "
-                                        "tp_rank, so each tensor-parallel group is made of neighbouring ranks.")
+                other = _dp_fastest(rank, dp, pp, tp)[1]
+                if all(sorted(got[d]) == sorted(other[d]) for d in want) and other != want:
+                    raise wrong(name, f"for {where} you gave {got}: you let dp vary fastest. minitp places tp "
+                                      "fastest, rank = (dp_rank·pp + pp_rank)·tp + tp_rank, so each tensor-parallel "
+                                      "group is made of neighbouring ranks.", str(want))
                 dim = next(d for d in ("tp", "pp", "dp") if sorted(got[d]) != sorted(want[d]))
-                raise ExerciseError(f"{name}: for {where} (coordinates {(coords.dp, coords.pp, coords.tp)}) the {dim} "
-                                    f"group is {got[dim]}, expected {want[dim]}: its members share this rank's "
-                                    f"other two coordinates and run through every {dim}_rank.")
+                raise wrong(name, f"for {where} (coordinates {(coords.dp, coords.pp, coords.tp)}) the {dim} group "
+                                  f"is {got[dim]}: its members share this rank's other two coordinates and run "
+                                  f"through every {dim}_rank.", f"the {dim} group {want[dim]}")
             for dim in ("tp", "pp", "dp"):
                 if r["summed"].get(dim) != sum(want[dim]):
                     raise ExerciseError(f"{name}: for {where} the {dim} group lists the right ranks, but an "

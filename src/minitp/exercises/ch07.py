@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from minitp import cost, layout, trace
-from minitp.exercises import ExerciseError, not_implemented, passed, run_answer
+from minitp import cost, cp, layout, trace
+from minitp.exercises import ExerciseError, not_implemented, passed, refuse_own, run_answer, wrong
 
 ANSWER = "answer"
 TOL = 1e-5
@@ -32,6 +32,8 @@ def _call(name: str, fn, *args):
     """Call a single-process answer; a stub or a crash becomes one ExerciseError."""
     try:
         return fn(*args)
+    except ExerciseError:
+        raise
     except Exception as err:  # the learner's code may raise anything
         if not_implemented(err):
             raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError). "
@@ -57,13 +59,13 @@ def check_balanced_chunks(fn) -> None:
                         f"does about 2·cp-1 = {2 * n - 1} times the first one's work. Cut the sequence into 2·cp "
                         "chunks and give rank i two of them.")
             elif isinstance(got, list) and len(got) == 2 and got[0] == want[0]:
-                hint = (f"the first chunk is right but the second is not: its partner is chunk 2·cp-1-i = "
-                        f"{2 * n - 1 - rank} (counted among 2·cp chunks), so that an early chunk (little to "
+                hint = ("the first chunk is right but the second is not: its partner lies as far from the end of "
+                        "the 2·cp chunks as the first lies from the start, so that an early chunk (little to "
                         "attend to) pairs with a late one (much).")
             elif isinstance(got, list) and got and all(len(r) == seq // n for r in got):
                 hint = f"each chunk must hold seq_len / (2·cp) = {seq // (2 * n)} positions, not seq_len / cp."
-            raise ExerciseError(f"{name}: for seq_len={seq}, cp={n}, rank {rank} expected {want}, got {got}. "
-                                + (hint or "Rank i holds chunks i and 2·cp-1-i of 2·cp equal chunks."))
+            raise wrong(name, f"for seq_len={seq}, cp={n}, rank {rank} you gave {got}: "
+                        + (hint or "rank i holds chunks i and 2·cp-1-i of 2·cp equal chunks."), str(want))
     passed(name, "every rank of cp = 2, 3, 4 and 8")
 
 
@@ -90,6 +92,7 @@ def _fold(fn, scores, v, name):
 def check_online_softmax(fn) -> None:
     """Fold three blocks of scores with ``fn``; acc / row_sum must be softmax(scores) @ v."""
     name = "online softmax"
+    refuse_own(name, fn, cp.online_softmax_update)
     for scale, what in ((1.0, "ordinary scores"), (1000.0, "scores in the thousands")):
         scores, v = _softmax_case(0, scale)
         want = scores.softmax(-1) @ v
@@ -178,6 +181,7 @@ def check_ring_attention(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
 def check_ring_bytes(fn) -> None:
     """``fn(batch, seq, kv_heads, head_dim, cp, dtype_bytes)`` must give cost.cp_attention_bytes."""
     name = "ring bytes"
+    refuse_own(name, fn, cost.cp_attention_bytes)
     for args in ((1, 4096, 8, 128, 4, 2), (2, 1024, 2, 64, 2, 4), (1, 131072, 8, 128, 16, 2)):
         batch, seq, hkv, dh, n, b = args
         want = cost.cp_attention_bytes(*args)
@@ -197,9 +201,11 @@ def check_ring_bytes(fn) -> None:
         }
         for value, why in known.items():
             if math.isclose(got, value, rel_tol=1e-9):
-                raise ExerciseError(f"{name}: for B={batch}, S={seq}, Hkv={hkv}, Dh={dh}, cp={n}, b={b} you gave "
-                                    f"{got:,.0f}, expected {want:,.0f}: {why}.")
-        raise ExerciseError(f"{name}: for B={batch}, S={seq}, Hkv={hkv}, Dh={dh}, cp={n}, b={b} you gave {got:,.0f}, "
-                            f"expected {want:,.0f}. KV = B·Hkv·(S/cp)·Dh·b; forward (cp-1)·2KV; backward "
-                            "(cp-1)·2KV for the blocks and cp·2KV for their gradients: (3cp-2)·2KV in all.")
+                raise wrong(name, f"for B={batch}, S={seq}, Hkv={hkv}, Dh={dh}, cp={n}, b={b} you gave {got:,.0f}: "
+                                  f"{why}.", f"{want:,.0f} bytes")
+        raise wrong(name, f"for B={batch}, S={seq}, Hkv={hkv}, Dh={dh}, cp={n}, b={b} you gave {got:,.0f}. One "
+                          "rank's block is KV = B·Hkv·(S/cp)·Dh·b bytes of keys, as many of values. Count the hops: "
+                          "in forward the blocks go round the ring; in backward they go round again, and their "
+                          "gradients dK, dV travel with them and must end on the rank that owns the block.",
+                    f"{want:,.0f} bytes")
     passed(name, "three shapes, LLaMA-3-8B at 128K tokens among them")

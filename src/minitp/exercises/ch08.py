@@ -19,7 +19,7 @@ import math
 import torch
 
 from minitp import trace
-from minitp.exercises import ExerciseError, passed, run_answer
+from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
 from minitp.models.moe import capacity_mask, moe_config
 
 ANSWER = "answer"
@@ -49,9 +49,10 @@ def check_capacity(fn) -> None:
             (math.ceil(c * s / e), "Each token makes k assignments, so the sequence has k·S of them to share out."),
             (math.ceil(c * s * e / k), "The k·S assignments are shared by E experts: divide by E, multiply by k."),
         ]
-        hint = next((h for v, h in hints if got == v), "C = ceil(capacity_factor · S · k / E), at most S.")
-        raise ExerciseError(f"{name}: for S={s}, E={e}, k={k}, capacity_factor={c} you gave {got}, expected "
-                            f"{want}. {hint}")
+        hint = next((h for v, h in hints if got == v),
+                    "How many assignments does the sequence make, shared by how many experts? Then the slack "
+                    "capacity_factor, the rounding, and the most one expert can ever need.")
+        raise wrong(name, f"for S={s}, E={e}, k={k}, capacity_factor={c} you gave {got}. {hint}", str(want))
     passed(name, "ceil(c·S·k/E), at most S")
 
 
@@ -82,6 +83,7 @@ def check_capacity_mask(fn) -> None:
     """``fn(expert (B, S, k), n_experts, capacity)`` must keep, per sequence and expert, the first
     ``capacity`` assignments, all first choices before any second choice, earlier tokens first."""
     name = "capacity mask"
+    refuse_own(name, fn, capacity_mask)
     for expert, e, c in _mask_cases():
         got = _call(name, fn, expert.clone(), e, c)
         want = capacity_mask(expert, e, c)
@@ -164,10 +166,10 @@ def check_dispatch(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
             incoming = r["incoming"]
             if incoming.numel() != want_counts.numel() or not torch.equal(incoming.reshape(want_counts.shape).long(),
                                                                           want_counts):
-                raise ExerciseError(
-                    f"{name} on {n} ranks: rank {rank}'s incoming counts are {incoming.tolist()}, expected "
-                    f"{want_counts.tolist()} (row i: rows from rank i for each of its {EXPERTS // n} experts). "
-                    "An all-to-all of the counts (E,) gives rank j every rank's counts for j's experts.")
+                raise wrong(
+                    name, f"{name} on {n} ranks: rank {rank}'s incoming counts are {incoming.tolist()}; row i must "
+                    f"hold the rows from rank i for each of this rank's {EXPERTS // n} experts. An all-to-all of "
+                    "the counts (E,) gives rank j every rank's counts for j's experts.", str(want_counts.tolist()))
             if tuple(incoming.shape) != tuple(want_counts.shape):
                 raise ExerciseError(
                     f"{name} on {n} ranks: rank {rank}'s incoming counts have shape {tuple(incoming.shape)}, expected "
@@ -216,7 +218,7 @@ def check_layer_bytes(fn) -> None:
             (want / b, "Multiply by the bytes per element."),
         ]
         hint = next((h for v, h in hints if got is not None and math.isclose(float(got), v)),
-                    "2 · D · b · (rows sent out + rows received), the diagonal left out.")
-        raise ExerciseError(f"{name}: for T={tokens}, rank {rank}, D={dim}, b={b} you gave {got}, expected "
-                            f"{want:g}. {hint}")
+                    "Which rows does this rank send in the dispatch, which in the combine, and which never leave "
+                    "it? Backward sends each of them once more; a row is D elements of b bytes.")
+        raise wrong(name, f"for T={tokens}, rank {rank}, D={dim}, b={b} you gave {got}. {hint}", f"{want:g} bytes")
     passed(name, "2·D·b·(rows out + rows in), without the diagonal")

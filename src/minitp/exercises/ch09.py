@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 
 from minitp import comm, trace
-from minitp.exercises import ExerciseError, call_answer, passed, run_answer
+from minitp.exercises import ExerciseError, call_answer, passed, refuse_own, run_answer, wrong
 from minitp.grid import coordinates, group_lists
 
 ANSWER = "answer"
@@ -355,20 +355,20 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                 if pp_size > 1 and same_in_stage and math.isclose(
                         math.sqrt(sum(v * v for v in per_stage.values())), want, rel_tol=1e-4):
                     shown = ", ".join(f"{v:.4f}" for v in per_stage.values())
-                    raise ExerciseError(
-                        f"{name} {where}: each pipeline stage found its own norm ({shown}), "
-                        f"expected {want:.4f} on every rank: the all-reduce is missing across pipeline stages. "
-                        "A stage holds only its blocks' gradients; the norm needs every stage's: all-reduce over "
-                        "the whole world (group=None), not over the tp or dp group.")
+                    raise wrong(
+                        name, f"{name} {where}: each pipeline stage found its own norm ({shown}), not one norm on "
+                        "every rank: the all-reduce is missing across pipeline stages. A stage holds only its "
+                        "blocks' gradients; the norm needs every stage's: all-reduce over the whole world "
+                        "(group=None), not over the tp or dp group.", f"{want:.4f} on every rank")
                 shown = ", ".join(f"{v:.4f}" for v in norms)
                 raise ExerciseError(f"{name} {where}: the ranks disagree on the norm ({shown}). "
                                     "Each rank's sum of squares is a piece of one sum: all-reduce it over the whole "
                                     "world (group=None), then every rank takes the same square root.")
             got = norms[0]
             if not math.isclose(got, want, rel_tol=1e-5):
-                raise ExerciseError(f"{name} {where}: you gave the norm {got:.6f}, one process (torch.nn.utils."
-                                    f"clip_grad_norm_) {want:.6f}. "
-                                    + _norm_hint(got, want, n2, r2, dp, tp_size, ddp))
+                hint = _norm_hint(got, want, n2, r2, dp, tp_size, ddp)
+                raise wrong(name, f"{name} {where}: you gave the norm {got:.6f}, not the norm one process finds "
+                                  f"(torch.nn.utils.clip_grad_norm_). {hint}", f"{want:.6f}")
         for rank, r in enumerate(results):
             if not r["no clip"]["unchanged"]:
                 raise ExerciseError(f"{name} {where}: with max_norm={NO_CLIP:g}, far above the norm {want:.4f}, "
@@ -386,9 +386,9 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                         f"{name} {where}: rank {rank} (dp {c.dp}, pp {c.pp}, tp {c.tp}) left {r['clip']['untouched']} "
                         "of its gradients as they were. Scale every gradient the optimizer will read on every rank "
                         "(every replica, every tp rank, every shard), not only the ones you counted in the norm.")
-                raise ExerciseError(f"{name} {where}: rank {rank}'s gradients were scaled by about "
-                                    f"{r['clip']['factor']:.4g}, expected min(1, {small:.4f} / ({want:.4f} + 1e-6)) = "
-                                    f"{min(1.0, small / (want + 1e-6)):.4g}, on every gradient.")
+                raise wrong(name, f"{name} {where}: rank {rank}'s gradients were scaled by about "
+                                  f"{r['clip']['factor']:.4g}, not by min(1, max_norm / (norm + 1e-6)) with "
+                                  f"max_norm={small:.4f}, on every gradient.", f"{min(1.0, small / (want + 1e-6)):.4g}")
         for case in ("no clip", "clip"):
             for rank, ops in enumerate(_ops(results, case)):
                 if ops != [("all_reduce", len(results))]:
@@ -449,9 +449,9 @@ def check_lr_schedule(fn) -> None:
             except (TypeError, ValueError):
                 raise ExerciseError(f"{name}: return a number, got {got!r}.") from None
             if not ok:
-                raise ExerciseError(f"{name}: for steps={steps}, warmup={warmup}, lr={lr:g}, min_ratio={min_ratio}, "
-                                    f"step {step} you gave {float(got):.6g}, expected {want:.6g}. "
-                                    + _lr_hint(fn, steps, warmup, lr, min_ratio))
+                raise wrong(name, f"for steps={steps}, warmup={warmup}, lr={lr:g}, min_ratio={min_ratio}, step {step} "
+                                  f"you gave {float(got):.6g}. " + _lr_hint(fn, steps, warmup, lr, min_ratio),
+                            f"{want:.6g}")
     passed(name, "warm-up, then a cosine to min_ratio·lr, as minitp.trainer.lr_at")
 
 
@@ -468,6 +468,7 @@ WASTE_CASES = [(600, 30, 120, 3 * 3600), (1800, 60, 600, 11_000), (120, 5, 20, 8
 def check_wasted_fraction(fn) -> None:
     """``fn(interval, save_seconds, restart_seconds, mtbf)``: the share of the time lost, to first order."""
     name = "time lost to checkpoints and failures"
+    refuse_own(name, fn, wasted_fraction)
     for interval, save, restart, mtbf in WASTE_CASES:
         got = call_answer(name, fn, interval, save, restart, mtbf)
         want = wasted_fraction(interval, save, restart, mtbf)
@@ -490,6 +491,6 @@ def check_wasted_fraction(fn) -> None:
         hint = next((h for v, h in hints if math.isclose(got, v, rel_tol=1e-9)),
                     "Per second of run: save/interval for the saves, plus (interval/2 + restart)/mtbf for the "
                     "failures.")
-        raise ExerciseError(f"{name}: for interval={interval} s, save={save} s, restart={restart} s, mtbf={mtbf} s "
-                            f"you gave {got:.6g}, expected {want:.6g}. {hint}")
+        raise wrong(name, f"for interval={interval} s, save={save} s, restart={restart} s, mtbf={mtbf} s you gave "
+                          f"{got:.6g}. {hint}", f"{want:.6g}")
     passed(name, "save/interval + (interval/2 + restart)/mtbf")
