@@ -16,6 +16,8 @@
 
 Batch rows and gradients are small integers stored as floats: sums are exact whatever the order, and a
 wrong value points at where it came from (another rank's rows, a sum instead of a mean).
+* ``check_problem(n, answer)``: worked problems 1-3, estimates from the hardware sheet
+  (``minitp.cost.H100``) checked against ``minitp.cost`` (``minitp.exercises.problems``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import time
 import torch
 
 from minitp import cost, ddp, trace
-from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
+from minitp.exercises import ExerciseError, passed, problems, refuse_own, run_answer, wrong
+from minitp.exercises.problems import Problem
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
 
@@ -371,3 +374,36 @@ def check_bucketed_ddp(cls, nprocs: tuple[int, ...] = (4,), steps: int = 2, time
 
 
 __all__ = ["check_split_batch", "check_average_bucket", "check_ddp_bytes", "check_bucketed_ddp"]
+
+
+# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------------------
+def _tokens_to_hide_all_reduce(n: int, link) -> float:
+    """Tokens per GPU per step whose backward (4 FLOPs per parameter and token, at the device's
+    efficiency) lasts as long as the bandwidth term of the all-reduce of 2Ψ bytes of bf16 gradients:
+    Ψ cancels, T = 2(n-1)/n · 2/β · R/4."""
+    rate = cost.H100.flops_per_s * cost.H100.efficiency
+    return cost.collective_sent_bytes("all_reduce", 2.0, n) / link.bytes_per_s * rate / 4
+
+
+def _states_8b_gb() -> float:
+    """LLaMA-3-8B's parameters, gradients and AdamW moments in fp32 on each DDP rank: 16 bytes a parameter."""
+    from minitp.models import LLAMA3_8B
+
+    return cost.total_memory(cost.memory_per_rank(LLAMA3_8B.num_params(), 1, zero=0)) / 1e9
+
+
+PROBLEMS = {
+    1: Problem("problem 1, tokens to hide the all-reduce in one machine",
+               lambda: _tokens_to_hide_all_reduce(8, cost.H100.intra), "tokens",
+               {1.5: "the backward is 4 of the 6 FLOPs per parameter and token, not all 6",
+                2.0: "an all-reduce sends 2(n-1)/n of the buffer; the buffer is 2Ψ bytes in bf16"}),
+    2: Problem("problem 2, the same across machines", lambda: _tokens_to_hide_all_reduce(64, cost.H100.inter),
+               "tokens", {1.5: "the backward is 4 of the 6 FLOPs per parameter and token, not all 6"}),
+    3: Problem("problem 3, does LLaMA-3-8B fit?", _states_8b_gb, "GB",
+               {0.25: "AdamW keeps two moments, and the gradients are as big as the weights: 16 bytes a parameter"}),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 01: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)

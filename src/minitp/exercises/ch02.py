@@ -19,6 +19,8 @@
 
 The inputs are small integers stored as floats, so sums are exact whatever the order, and a wrong
 value can be traced back to where it came from (another rank's slice, the padding, a missing /n).
+* ``check_problem(n, answer)``: worked problems 1-3, estimates from the hardware sheet
+  (``minitp.cost.H100``) checked against ``minitp.cost`` (``minitp.exercises.problems``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import math
 import torch
 
 from minitp import cost, trace
-from minitp.exercises import ExerciseError, passed, run_answer, wrong
+from minitp.exercises import ExerciseError, passed, problems, run_answer, wrong
 from minitp.exercises.ch02_unit import check_fsdp_unit
+from minitp.exercises.problems import Problem
 
 _ANSWER = "answer"  # the scope the learner's calls are traced under
 _SIZES = (10, 12, 7)  # 10 and 7 need padding on 4 and on 3 ranks; 12 divides both
@@ -295,3 +298,42 @@ def check_memory_per_rank(fn) -> None:
 
 
 __all__ = ["check_shard_unshard", "check_reduce_gradient", "check_memory_per_rank", "check_fsdp_unit"]
+
+
+# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------------------
+def _tokens_zero3_compute_bound() -> float:
+    """Tokens per GPU per step at which ZeRO-3's bytes (two all-gathers of the bf16 parameters and a
+    reduce-scatter of the bf16 gradients) over InfiniBand take as long as the step's 6 FLOPs per
+    parameter and token: Ψ cancels."""
+    n, rate = 64, cost.H100.flops_per_s * cost.H100.efficiency
+    sent = 2 * cost.collective_sent_bytes("all_gather", 2.0, n) + cost.collective_sent_bytes("reduce_scatter", 2.0, n)
+    return sent / cost.H100.inter.bytes_per_s * rate / 6
+
+
+def _states_70b_zero3_gib(n: int = 64) -> float:
+    from minitp.models import LLAMA3_70B
+
+    return cost.total_memory(cost.memory_per_rank(LLAMA3_70B.num_params(), n, zero=3, precision="bf16")) / 2**30
+
+
+def _fewest_gpus_70b() -> int:
+    """The fewest GPUs whose ZeRO-3 share of 70B's mixed-precision states is at most 60 GiB."""
+    n = 1
+    while _states_70b_zero3_gib(n) > 60:
+        n += 1
+    return n
+
+
+PROBLEMS = {
+    1: Problem("problem 1, when ZeRO-3 stops waiting for the network", _tokens_zero3_compute_bound, "tokens",
+               {2 / 3: "ZeRO-3 gathers the parameters twice, for forward and again for backward",
+                1.5: "the whole step's 6 FLOPs per parameter and token hide the messages, not the backward's 4"}),
+    2: Problem("problem 2, LLaMA-3-70B's states on 64 GPUs", _states_70b_zero3_gib, "GiB",
+               {64.0: "ZeRO-3 shards all of it, parameters included, over the 64 ranks"}),
+    3: Problem("problem 3, the fewest GPUs for 70B", _fewest_gpus_70b, "GPUs", rel=0.01),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 02: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)

@@ -11,6 +11,8 @@
 * ``check_bubble(fn)``: ``fn(p, m)`` is the idle share of a step with equal stages; compared with
   ``minitp.cost.pp_bubble_fraction``.
 * ``check_zero_bubble(fn)`` and ``check_pipeline_runtime(fn)``: see ``minitp.exercises.ch05_runtime``.
+* ``check_problem(n, answer)``: worked problems 1-3, estimates from the hardware sheet
+  (``minitp.cost.H100``) checked against ``minitp.cost`` (``minitp.exercises.problems``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import math
 import torch
 
 from minitp import cost, pp, trace
-from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
+from minitp.exercises import ExerciseError, passed, problems, refuse_own, run_answer, wrong
 from minitp.exercises.ch05_runtime import as_actions, check_pipeline_runtime, check_zero_bubble  # noqa: F401
+from minitp.exercises.problems import Problem
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
 
@@ -220,3 +223,39 @@ def check_bubble(fn) -> None:
         raise wrong(name, f"for p={p}, m={m} you gave {float(got):.4f}. {hint}", f"{want:.4f}")
     passed(name, "(p-1)/(m+p-1): 0.273 at p=4, m=8; 0.179 at p=8, m=32")
 
+
+# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------------------
+def _smallest_m(p: int, schedule: str, v: int = 1, bubble: float = 0.05) -> int:
+    """The fewest micro-batches whose bubble (``cost.pp_bubble_fraction``) is at most ``bubble``."""
+    m = 1
+    while cost.pp_bubble_fraction(p, m, schedule, v) > bubble + 1e-12:
+        m += 1
+    return m
+
+
+def _boundary_over_forward() -> float:
+    """LLaMA-3-70B on 8 stages of 10 blocks: one micro-batch of one 8192-token sequence in bf16. The
+    send of its activation (S·D·2 bytes) over InfiniBand against its forward through one stage
+    (2 FLOPs per weight and token plus attention's 4·D·S, at the device's efficiency)."""
+    from minitp.exercises.ch03 import block_params
+    from minitp.models import LLAMA3_70B as cfg
+
+    S, device = 8192, cost.H100
+    send = S * cfg.dim * 2 / device.inter.bytes_per_s
+    forward = 10 * S * (2 * block_params(cfg) + 4 * cfg.dim * S) / (device.flops_per_s * device.efficiency)
+    return send / forward
+
+
+PROBLEMS = {
+    1: Problem("problem 1, micro-batches for a 5 % bubble", lambda: _smallest_m(8, "1f1b"), "micro-batches",
+               rel=0.01),
+    2: Problem("problem 2, the same interleaved", lambda: _smallest_m(8, "interleaved", 4), "micro-batches",
+               {4.0: "each of the v chunks fills and drains for 1/v of a stage: (p-1)/(v·m+p-1)"}, rel=0.01),
+    3: Problem("problem 3, a boundary's send against a stage's forward", _boundary_over_forward, "",
+               {2.0: "one activation crosses a boundary per micro-batch forward, S·D numbers of 2 bytes"}),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 05: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)
