@@ -1,39 +1,23 @@
 """Context parallel LLaMA 3's way (all-gather the keys and values) against one process and minitp.cost."""
 
 import pytest
-from test_cp_ulysses import causal_attention, qkv
+from test_cp_ulysses import attend_worker, matches_one_process
 
 import minitp
 from minitp import cost, cp, runs
 from minitp.models import LLAMA3_8B, TINY
 
 
-def _allgather_worker():
-    out = {}
-    for balanced in (True, False):
-        q, k, v, go = qkv()
-        local = [cp.shard_sequence(t, None, balanced, dim=2).requires_grad_() for t in (q, k, v)]
-        with minitp.trace.scope(f"balanced{int(balanced)}"):
-            o = cp.AllGatherAttend(None, balanced)(*local)
-            o.backward(cp.shard_sequence(go, None, balanced, dim=2))
-        out[balanced] = [o.detach()] + [t.grad for t in local]
-    return out
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def allgather_run(request):
-    return request.param, minitp.launch(_allgather_worker, request.param, echo=False)
+    make = lambda balanced: cp.AllGatherAttend(None, balanced)  # noqa: E731
+    return request.param, minitp.launch(attend_worker, request.param, make, echo=False)
 
 
 @pytest.mark.parametrize("balanced", [True, False])
 def test_allgather_output_and_gradients_equal_one_process(allgather_run, balanced):
     n, results = allgather_run
-    q, k, v, go = [t.requires_grad_() for t in qkv()]
-    want = causal_attention(q, k, v)
-    want.backward(go)
-    for i, (name, expected) in enumerate(zip(("out", "dq", "dk", "dv"), (want.detach(), q.grad, k.grad, v.grad))):
-        got = cp.unshard_sequence([r[balanced][i] for r in results], balanced, dim=2)
-        assert (got - expected).abs().max().item() <= 1e-5, f"{name} on {n} ranks, balanced={balanced}"
+    matches_one_process(results, n, balanced)
 
 
 def test_allgather_gathers_keys_and_values_and_scatters_their_gradients_back(allgather_run):

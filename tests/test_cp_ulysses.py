@@ -25,33 +25,40 @@ def qkv(B=2, H=8, Hkv=4, S=16, Dh=8):
     return [torch.randn(B, h, S, Dh, generator=g) for h in (H, Hkv, Hkv, H)]  # q, k, v, grad_out
 
 
-def _ulysses_worker():
+def attend_worker(make_attend):
+    """On each rank: ``make_attend(balanced)``'s attention of this rank's q, k, v and its backward, for
+    both layouts (traced under the scopes balanced1 and balanced0): output and gradients per layout."""
     out = {}
     for balanced in (True, False):
         q, k, v, go = qkv()
         local = [cp.shard_sequence(t, None, balanced, dim=2).requires_grad_() for t in (q, k, v)]
-        attend = cp.UlyssesAttend(causal_attention, None, balanced)
         with minitp.trace.scope(f"balanced{int(balanced)}"):
-            o = attend(*local)
+            o = make_attend(balanced)(*local)
             o.backward(cp.shard_sequence(go, None, balanced, dim=2))
         out[balanced] = [o.detach()] + [t.grad for t in local]
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def ulysses_run(request):
-    return request.param, minitp.launch(_ulysses_worker, request.param, echo=False)
-
-
-@pytest.mark.parametrize("balanced", [True, False])
-def test_ulysses_output_and_gradients_equal_one_process(ulysses_run, balanced):
-    n, results = ulysses_run
+def matches_one_process(results, n: int, balanced: bool) -> None:
+    """The ranks' pieces, in sequence order, equal one process's output and q, k, v gradients."""
     q, k, v, go = [t.requires_grad_() for t in qkv()]
     want = causal_attention(q, k, v)
     want.backward(go)
     for i, (name, expected) in enumerate(zip(("out", "dq", "dk", "dv"), (want.detach(), q.grad, k.grad, v.grad))):
         got = cp.unshard_sequence([r[balanced][i] for r in results], balanced, dim=2)
         assert (got - expected).abs().max().item() <= 1e-5, f"{name} on {n} ranks, balanced={balanced}"
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ulysses_run(request):
+    make = lambda balanced: cp.UlyssesAttend(causal_attention, None, balanced)  # noqa: E731
+    return request.param, minitp.launch(attend_worker, request.param, make, echo=False)
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+def test_ulysses_output_and_gradients_equal_one_process(ulysses_run, balanced):
+    n, results = ulysses_run
+    matches_one_process(results, n, balanced)
 
 
 def test_ulysses_sends_four_all_to_alls_each_way_of_which_n_minus_1_over_n_leaves(ulysses_run):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hint_levels import first_then_second as _first_then_second
 
 from minitp import comm, ddp
 from minitp.exercises import ExerciseError, ch01
@@ -300,17 +301,6 @@ def test_bucketed_ddp_mistakes_caught(cls, message):
 
 
 # -- hints in levels: the expected value shows from the second wrong try on ----------------------------
-def _first_then_second(check, *args, expected: str, **kwargs) -> None:
-    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
-    with pytest.raises(ExerciseError) as first:
-        check(*args, **kwargs)
-    assert expected not in str(first.value) and "Expected:" not in str(first.value)
-    assert "show_expected" in str(first.value)
-    with pytest.raises(ExerciseError) as second:
-        check(*args, **kwargs)
-    assert f"Expected: {expected}" in str(second.value)
-
-
 def test_split_shows_the_expected_rows_from_the_second_try():
     # 8 rows on 2 ranks: rank 0 keeps rows 0..3; the wrong answer gives it rank 1's, 4..7
     _first_then_second(ch01.check_split_batch, split_wrong_rank, expected="rows [0, 1, 2, 3]")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from hint_levels import first_then_second as _first_then_second
 
 from minitp import comm, cost
 from minitp.exercises import ExerciseError, ch02
@@ -329,17 +330,6 @@ def test_fsdp_unit_mistakes_caught(cls, message):
 
 
 # -- hints in levels: the expected value shows from the second wrong try on ----------------------------
-def _first_then_second(check, *args, expected: str) -> None:
-    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
-    with pytest.raises(ExerciseError) as first:
-        check(*args)
-    assert expected not in str(first.value) and "Expected:" not in str(first.value)
-    assert "show_expected" in str(first.value)
-    with pytest.raises(ExerciseError) as second:
-        check(*args)
-    assert f"Expected: {expected}" in str(second.value)
-
-
 def shard_off_by_one_value(flat, rank, world_size):
     return shard_right(flat, rank, world_size) + 1
 

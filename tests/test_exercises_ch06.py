@@ -1,6 +1,7 @@
 """The chapter 06 checkers accept the right answers and catch the usual mistakes with a useful message."""
 
 import pytest
+from hint_levels import first_then_second as _first_then_second
 
 from minitp import cost
 from minitp.exercises import ExerciseError, ch06
@@ -217,17 +218,6 @@ def test_make_groups_hang_is_named_when_a_rank_skips_other_groups():
 
 
 # -- hints in levels: the expected value shows from the second wrong try on ----------------------------
-def _first_then_second(check, *args, expected: str, **kwargs) -> None:
-    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
-    with pytest.raises(ExerciseError) as first:
-        check(*args, **kwargs)
-    assert expected not in str(first.value) and "Expected:" not in str(first.value)
-    assert "show_expected" in str(first.value)
-    with pytest.raises(ExerciseError) as second:
-        check(*args, **kwargs)
-    assert f"Expected: {expected}" in str(second.value)
-
-
 def test_mesh_position_shows_the_expected_group_from_the_second_try():
     # rank 0 of dp=2, pp=2, tp=2: its dp group is rank 0 and the rank one replica on, (1·2 + 0)·2 + 0 = 4
     _first_then_second(ch06.check_mesh_position, position_wrong_dp_group, expected="the dp group [0, 4]")

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hint_levels import first_then_second as _first_then_second
 
 from minitp import comm
 from minitp.exercises import ExerciseError, ch08
@@ -166,18 +167,6 @@ def test_layer_bytes_catches_mistakes(answer, message):
 
 
 # -- hints in levels: the expected value shows from the second wrong try on ----------------------------
-def _first_then_second(check, answer, expected: str, **kwargs) -> None:
-    """The first wrong try names the mistake and hides ``expected``; the second shows it."""
-    with pytest.raises(ExerciseError) as first:
-        check(answer, **kwargs)
-    assert "Expected:" not in str(first.value)
-    assert len(expected) < 4 or expected not in str(first.value)  # a short number may occur in the question
-    assert "show_expected" in str(first.value)
-    with pytest.raises(ExerciseError) as second:
-        check(answer, **kwargs)
-    assert f"Expected: {expected}" in str(second.value)
-
-
 def test_capacity_shows_the_expected_capacity_from_the_second_try():
     # the first case: S=16, E=8, k=2, c=1.25: ceil(1.25·16·2/8) = 5
     _first_then_second(ch08.check_capacity, lambda s, e, k, c: 99, expected="5")

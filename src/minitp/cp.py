@@ -273,6 +273,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 
 
 # -- the model under context parallel (from outside, the torchtitan way) -----------------------------
+def _check_whole_sequences(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
+                         f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+
+
 class RingAttend:
     """The ring over the cp group, as a layer's attention (``Attention.forward(attend=)``): the
     layer's projections, RoPE and output run as they are, on this rank's positions, so a
@@ -283,9 +289,7 @@ class RingAttend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (B, H, Sl, Dh); k, v: (B, Hkv, Sl, Dh) -> (B, H, Sl, Dh)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
-                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+        _check_whole_sequences(q, k)
         return ring_attention(q, k, v, self.group, causal=True, balanced=self.balanced, label="cp/ring")
 
 
@@ -393,9 +397,7 @@ class UlyssesAttend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = comm.group_size(self.group)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
-                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+        _check_whole_sequences(q, k)
         for name, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
             if heads % n:
                 raise ValueError(f"Ulysses splits the heads over cp: {heads} {name} heads are not divisible by "
@@ -426,9 +428,7 @@ class AllGatherAttend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (B, H, Sl, Dh); k, v: (B, Hkv, Sl, Dh) -> (B, H, Sl, Dh)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError("context parallel trains on whole sequences; generation with a KV cache is not "
-                             f"supported (queries at {q.shape[2]} positions, keys at {k.shape[2]})")
+        _check_whole_sequences(q, k)
         n, Sl = comm.group_size(self.group), q.shape[2]
         k, v = (gather_from_sequence_parallel(t, self.group, dim=2, label=f"cp/allgather/{name}")  # (B, Hkv, S, Dh)
                 for t, name in ((k, "k"), (v, "v")))
