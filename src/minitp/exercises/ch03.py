@@ -27,6 +27,7 @@ from minitp import cost, regions, trace
 from minitp.exercises import ExerciseError, passed, problems, run_answer
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 from minitp.exercises.problems import Problem
+from minitp.models import LLAMA3_8B, LLAMA3_70B
 
 ANSWER = "answer"  # the scope the learner's messages are traced under
 TOL = 1e-5
@@ -311,30 +312,17 @@ def _comm_over_compute(cfg, tp: int, seq: int = 8192) -> float:
     return sent / cost.compute_time(flops, device)
 
 
-def _ratio_8b() -> float:
-    from minitp.models import LLAMA3_8B
-
-    return _comm_over_compute(LLAMA3_8B, 8)
-
-
-def _ratio_70b() -> float:
-    from minitp.models import LLAMA3_70B
-
-    return _comm_over_compute(LLAMA3_70B, 8)
-
-
 def _attention_equals_weights_seq() -> float:
     """S at which attention's 12·D·S FLOPs per token equal the block's weights' 6·Ψ_block."""
-    from minitp.models import LLAMA3_8B
-
     return block_params(LLAMA3_8B) / (2 * LLAMA3_8B.dim)
 
 
 PROBLEMS = {
-    1: Problem("problem 1, tensor parallel's messages against its compute", _ratio_8b, "",
+    1: Problem("problem 1, tensor parallel's messages against its compute",
+               lambda: _comm_over_compute(LLAMA3_8B, 8), "",
                {0.5: "forward and backward: each of the block's two pairs all-reduces once each way",
                 2.0: "a block has two pairs (attention, MLP), each one all-reduce forward and one backward: 4 in all"}),
-    2: Problem("problem 2, a wider model", _ratio_70b, ""),
+    2: Problem("problem 2, a wider model", lambda: _comm_over_compute(LLAMA3_70B, 8), ""),
     3: Problem("problem 3, when attention outweighs the weights", _attention_equals_weights_seq, "tokens",
                {2.0: "6 FLOPs per weight against 12·D·S: S = Ψ_block / (2D)"}),
 }

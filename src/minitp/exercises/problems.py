@@ -9,6 +9,7 @@ second wrong try, or ``show_expected``). Each chapter's ``check_problem(n, answe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minitp.exercises import ExerciseError, call_answer, passed, wrong
@@ -24,7 +25,7 @@ class Problem:
     answer is in ("" for a ratio); ``slips`` maps a ratio answer/expected to the mistake it shows."""
 
     name: str
-    want: callable
+    want: Callable[[], float]
     unit: str
     slips: dict[float, str] = field(default_factory=dict)
     rel: float = 0.05

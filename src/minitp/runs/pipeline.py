@@ -69,7 +69,7 @@ def handover_costs(timelines: list[pp.Timeline]) -> tuple[float, float]:
 
     ``pp.replay(timelines, message, gap)`` plays the step again with these costs added."""
     p = len(timelines)
-    v = max(a.chunk for t in timelines for a, _, _ in t) + 1
+    v = max(pp.chunks_of([a for a, _, _ in t]) for t in timelines)
     ends = {(a.kind, a.chunk * p + s, a.microbatch): e for s, t in enumerate(timelines) for a, _, e in t}
     waits, gaps = [], []
     for s, t in enumerate(timelines):
@@ -118,14 +118,13 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
                       for s in range(nproc)]
     expected_memory = [cost.pp_memory_per_rank(cfg, sum(len(b) for b in blocks[s]), s == 0, s == nproc - 1,
                                                num_tensors=results[s]["num_tensors"]) for s in range(nproc)]
-    per_step = [pp.bubble_fraction([r["timelines"][k] for r in results]) for k in range(steps)]
-    timed = per_step[1:] or per_step  # the first step also warms up (allocations, first messages)
-    decomposed = [bubble_decomposition([r["timelines"][k] for r in results]) for k in range(steps)]
-    decomposed = decomposed[1:] or decomposed
-    costs = [handover_costs([r["timelines"][k] for r in results]) for k in range(steps)]
-    costs = costs[1:] or costs
-    with_costs = [statistics.fmean(pp.bubble_fraction(pp.replay([r["timelines"][k] for r in results], *c)))
-                  for k, c in enumerate(costs, start=steps - len(costs))]
+    step_timelines = [[r["timelines"][k] for r in results] for k in range(steps)]  # per step, one per rank
+    timed = [pp.bubble_fraction(t) for t in step_timelines]
+    timed = timed[1:] or timed  # the first step also warms up (allocations, first messages)
+    after_first = step_timelines[1:] or step_timelines
+    decomposed = [bubble_decomposition(t) for t in after_first]
+    costs = [handover_costs(t) for t in after_first]
+    with_costs = [statistics.fmean(pp.bubble_fraction(pp.replay(t, *c))) for t, c in zip(after_first, costs)]
     last = [r["timelines"][-1] for r in results]
     t0 = min(t[0][1] for t in last)
     return build_report(
