@@ -97,7 +97,7 @@ def _visible(q_chunk: range, k_chunk: range, causal: bool) -> str:
     return "mask"
 
 
-TILE = 64  # a diagonal (masked) pair larger than this is cut in tiles, as flash attention does
+TILE = layout.CP_TILE  # a diagonal (masked) pair larger than this is cut in tiles, as flash attention does
 
 
 def _tiles(qc: range, kc: range, causal: bool):

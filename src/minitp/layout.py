@@ -130,6 +130,9 @@ def num_buckets(param_bytes: list[int], bucket_bytes: int) -> int:
 
 
 # -- context parallel: which positions of the sequence each rank holds ------------------------------------
+CP_TILE = 64  # ring attention cuts a diagonal (masked) chunk pair longer than this in four (minitp.cp)
+
+
 def cp_chunks(seq_len: int, cp: int, rank: int, balanced: bool = True) -> list[range]:
     """The positions ``rank`` of ``cp`` holds, as ranges in the order the rank stores them.
     Contiguous: the rank-th of cp equal slices. Balanced (causal attention): the sequence is cut into

@@ -24,7 +24,7 @@ from __future__ import annotations
 from minitp.cost.activations import block_activation_bytes
 from minitp.cost.strategies import collective_sent_bytes, memory_per_rank
 from minitp.cost.threed import rank_num_blocks, threed_step_bytes
-from minitp.layout import check_divisible, cp_chunks
+from minitp.layout import CP_TILE, check_divisible, cp_chunks
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
            "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
@@ -116,7 +116,7 @@ def _diagonal_pairs(size: int, tile: int) -> int:
 
 
 def cp_attention_flops_per_rank(seq: int, cp: int, rank: int, heads: int, head_dim: int, batch: int = 1,
-                                balanced: bool = True, causal: bool = True, tile: int = 64) -> float:
+                                balanced: bool = True, causal: bool = True, tile: int = CP_TILE) -> float:
     """Floating-point operations of one rank's attention forward (4·B·H·Dh per (query, key) pair:
     the two matmuls), counting the pairs ``minitp.cp`` computes: chunk pairs wholly in the past
     in full, diagonal ones in tiles of ``tile`` (about half), future ones not at all: how even the

@@ -41,7 +41,7 @@ from minitp.cost.context import cp_mesh_step_bytes
 from minitp.cost.experts import active_params, check_ep, ep_mesh_step_bytes
 from minitp.cost.strategies import collective_sent_bytes
 from minitp.cost.threed import rank_num_blocks
-from minitp.layout import check_positive, cp_chunks
+from minitp.layout import CP_TILE, check_positive, cp_chunks
 
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
            "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime",
@@ -207,18 +207,17 @@ def compute_time(flops: float, device: Device, ranks_on_machine: int = 1) -> flo
 # combine (sorting by expert, the counts, the regrouping by source rank), 73.
 RING_OPS = {"piece": 104, "masked_piece": 104 + 37, "step": 40, "block": -38}
 MOE_OPS = {"routing": 46, "expert": 45, "dispatch": 73}
-TILE = 64  # a diagonal pair longer than this is cut in four (``minitp.cp.TILE``)
 
 
 def _pieces(queries: range, keys: range) -> tuple[int, int]:
     """(unmasked, masked) pieces of work of a causal (query chunk, key chunk) pair, as ``minitp.cp``
     cuts them: all of it (keys before the queries), none (keys after), or a masked diagonal, cut in
-    four when longer than TILE (its upper-right quarter skipped, its lower-left unmasked)."""
+    four when longer than CP_TILE (its upper-right quarter skipped, its lower-left unmasked)."""
     if keys.stop <= queries.start:
         return 1, 0
     if keys.start > queries.stop - 1:
         return 0, 0
-    if queries == keys and len(queries) > TILE:
+    if queries == keys and len(queries) > CP_TILE:
         h = len(queries) // 2
         lo, hi = range(queries.start, queries.start + h), range(queries.start + h, queries.stop)
         (a, b), (c, d) = _pieces(lo, lo), _pieces(hi, hi)
