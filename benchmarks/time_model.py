@@ -57,18 +57,11 @@ def _count_worker(kind: str, balanced: bool) -> int:
     under ring attention ("cp") or its MoE under expert parallel ("ep"), batch 8 x 16 (cp: this rank's
     positions; dense and ep: half the batch)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from minitp import cp, ep
+    from minitp.measure.calibrate import count_dispatched
     from minitp.models import TINY, build_model, loss_fn
     from minitp.models.moe import build_moe_model, moe_config, moe_loss
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
 
     torch.set_num_threads(1)
     tokens = torch.randint(0, TINY.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -84,9 +77,7 @@ def _count_worker(kind: str, balanced: bool) -> int:
         step, loss, x = model, loss_fn, tokens[:4]
     loss(step(x), x).backward()  # warm-up: the first step builds what later ones reuse
     model.zero_grad(set_to_none=True)
-    with Count():
-        loss(step(x), x).backward()
-    return Count.n
+    return count_dispatched(lambda: loss(step(x), x).backward())
 
 
 def count_ops() -> None:

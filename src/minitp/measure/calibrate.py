@@ -105,12 +105,10 @@ def tiny_step_s(microbatches: tuple[int, ...] = (1, 8), batch: int = 8, seq: int
     return best
 
 
-def count_ops(batch: int = 8, seq: int = 16) -> int:
-    """How many tensor operations one forward and backward of the tiny model dispatch (every call
-    that reaches PyTorch's operator dispatcher, counted by a TorchDispatchMode)."""
+def count_dispatched(fn) -> int:
+    """How many tensor operations ``fn()`` dispatches (every call that reaches PyTorch's operator
+    dispatcher, counted by a TorchDispatchMode)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from minitp.models import TINY, build_model, loss_fn
 
     class Count(TorchDispatchMode):
         n = 0
@@ -119,11 +117,18 @@ def count_ops(batch: int = 8, seq: int = 16) -> int:
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
+    with Count():
+        fn()
+    return Count.n
+
+
+def count_ops(batch: int = 8, seq: int = 16) -> int:
+    """How many tensor operations one forward and backward of the tiny model dispatch."""
+    from minitp.models import TINY, build_model, loss_fn
+
     model = build_model(TINY, seed=0)
     tokens = torch.randint(0, TINY.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    with Count():
-        loss_fn(model(tokens), tokens).backward()
-    return Count.n
+    return count_dispatched(lambda: loss_fn(model(tokens), tokens).backward())
 
 
 def fit_fixed_costs(step_one: float, step_many: float, microbatches: int, flops_s: float, ops: int) -> dict:
