@@ -40,9 +40,27 @@ def test_a_llama_block_keeps_27_percent_more_than_gpt3s_count_at_70b_tp_8():
     llama = cost.llama_block_activation_bytes(LLAMA3_70B, b, s, 8)
     gpt3 = cost.block_activation_bytes(LLAMA3_70B, b, s, 8)
     assert llama / gpt3 == pytest.approx(1.27, abs=0.005)  # 16.5 against 13 bytes per token and dimension
-    # the per-rank estimate takes either count; the planner's default stays GPT-3's for now
+    # the per-rank estimate takes either count; at scale the LLaMA count's attention reads the 8 shared
+    # key/value heads instead of 64 repeated ones
     per_rank = {formula: cost.activation_bytes_per_rank(LLAMA3_70B, b, s, 8, 4, 0, 8, formula=formula)
                 for formula in ("llama", "gpt3")}
-    assert per_rank["llama"] / per_rank["gpt3"] == pytest.approx(llama / gpt3)
-    with pytest.raises(ValueError, match="formula must be 'llama' or 'gpt3', got 'gpt4'"):
+    shared = cost.llama_block_activation_bytes(LLAMA3_70B, b, s, 8, repeat_kv=False)
+    assert per_rank["llama"] / per_rank["gpt3"] == pytest.approx(shared / gpt3) == pytest.approx(1.236, abs=0.001)
+    with pytest.raises(ValueError, match="formula must be one of 'llama', 'llama-regather', 'gpt3', got 'gpt4'"):
         cost.activation_bytes_per_rank(LLAMA3_70B, b, s, 8, 4, 0, 8, formula="gpt4")
+
+
+def test_under_sequence_parallel_keeping_the_gathered_input_costs_twice_gpt3s_count_and_regathering_wins_it_back():
+    b, s, t = 1, 8192, 8
+    n, d, f = b * s, LLAMA3_70B.dim, LLAMA3_70B.ffn_hidden
+    kept = {formula: cost.activation_bytes_per_rank(LLAMA3_70B, b, s, t, 1, 0, 1, sequence_parallel=True,
+                                                    formula=formula) for formula in cost.activations.FORMULAS}
+    # minitp keeps each column-parallel input whole, (N, D) twice per block: most of a block at tp = 8
+    assert kept["llama"] == 80 * 2 * (2 * ((2 * n * d + n) // t + n * d) + 2 * n * d // t
+                                       + 2 * n * LLAMA3_70B.kv_heads * LLAMA3_70B.head_dim // t + 4 * n * f // t)
+    assert kept["llama"] / kept["gpt3"] == pytest.approx(2.13, abs=0.01)
+    # Megatron-LM keeps its S/t slice and gathers it again in backward: every term is then divided by t,
+    # and what is left above GPT-3's 34/t is the wider MLP
+    assert kept["llama-regather"] == 80 * 2 * (2 * (3 * n * d + n) // t + 2 * n * d // t
+                                               + 2 * n * LLAMA3_70B.kv_heads * LLAMA3_70B.head_dim // t + 4 * n * f // t)
+    assert kept["llama-regather"] / kept["gpt3"] == pytest.approx(1.31, abs=0.01)  # SwiGLU: 4·F/t = 14·D/t

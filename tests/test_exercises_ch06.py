@@ -263,3 +263,65 @@ def test_step_bytes_refuses_minitps_own_formula():
         ch06.check_step_bytes(cost.threed_step_bytes)
     with pytest.raises(ExerciseError, match="your code calls minitp.cost.*threed_step_bytes"):
         ch06.check_step_bytes(lambda *args: dict(cost.threed_step_bytes(*args)))
+
+
+# -- exercise 4: one step of dp × tp --------------------------------------------------------------------
+def dp_tp_step(model, rows, loss_fn, mesh, lr, group="dp", divide="dp", rows_by="dp"):
+    import torch
+
+    from minitp import comm
+
+    share = {"dp": mesh.coords.dp, "tp": mesh.coords.tp % mesh.dp}[rows_by]
+    loss = loss_fn(model, rows.chunk(mesh.dp)[share])
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if group:
+                comm.all_reduce(p.grad, group=mesh.dp_group if group == "dp" else None)
+            p -= lr * p.grad / {"dp": mesh.dp, "world": mesh.world_size, "none": 1}[divide]
+            p.grad = None
+
+
+def test_the_dp_tp_step_equals_one_process_on_three_layouts(capsys):
+    ch06.check_dp_tp_step(dp_tp_step)
+    assert "[ok] the dp × tp step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ({"group": "world"}, "the all-reduce ran over the whole world"),
+    ({"divide": "none"}, "one process at 2× the learning rate: the gradients were summed"),
+    ({"divide": "world"}, "one process at 1/2 of the learning rate: divide by dp, not by the world size"),
+    ({"rows_by": "tp"}, "the tp ranks of a replica must see the same rows"),
+    ({"group": None, "divide": "none"}, "the 2 replicas hold different parameters"),
+])
+def test_the_dp_tp_step_names_each_mistake(mistake, message):
+    def answer(model, rows, loss_fn, mesh, lr):
+        return dp_tp_step(model, rows, loss_fn, mesh, lr, **mistake)
+
+    with pytest.raises(ExerciseError, match=message):
+        ch06.check_dp_tp_step(answer, layouts=((2, 1, 2),))
+
+
+def test_the_dp_tp_step_shows_one_process_losses_from_the_second_try():
+    losses = [round(x, 5) for x in ch06._reference_step()[0]]
+
+    def answer(model, rows, loss_fn, mesh, lr):
+        return dp_tp_step(model, rows, loss_fn, mesh, lr, divide="none")
+
+    _first_then_second(ch06.check_dp_tp_step, answer, expected=f"losses {losses}", layouts=((2, 1, 2),))
+
+
+def test_the_chapter_06_problems_are_the_numbers_by_hand():
+    from minitp.models import LLAMA3_70B
+
+    first, middle = (cost.threed_params_per_rank(LLAMA3_70B, 8, 4, s) for s in (0, 1))
+    assert round(first / 1e9, 2) == 2.27 and round(middle / 1e9, 2) == 2.14  # as the chapter states them
+    assert ch06.PROBLEMS[1].want() == pytest.approx(middle * 2 / 1e9)  # a ring of 2 sends the buffer once
+    assert ch06.PROBLEMS[2].want() == pytest.approx(2 * 32 * 8192 * 8192 * 2 / 50e9)
+    assert ch06.PROBLEMS[3].want() == pytest.approx(first * 10 / 2**30)
+    with pytest.raises(ExerciseError, match="fp32's"):
+        ch06.check_problem(1, lambda: middle * 4 / 1e9)
+    with pytest.raises(ExerciseError, match="crosses twice"):
+        ch06.check_problem(2, lambda: 32 * 8192 * 8192 * 2 / 50e9)
+    with pytest.raises(ExerciseError, match="weight and gradient stay whole"):
+        ch06.check_problem(3, lambda: first * 8 / 2**30)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from hint_levels import first_then_second
 
 from minitp import comm
 from minitp.exercises import ExerciseError, ch07
@@ -236,3 +237,139 @@ def test_ring_bytes_refuses_minitps_own_formula():
 
     with pytest.raises(ExerciseError, match="the exercise is to write it"):
         ch07.check_ring_bytes(cost.cp_attention_bytes)
+
+
+def test_ring_attention_shows_the_expected_peer_from_the_second_try():
+    first_then_second(ch07.check_ring_attention, ring_backwards, nprocs=(4,), expected="rank 0 sends to rank 1 only")
+
+
+# -- the backward ring -------------------------------------------------------------------------------
+def _back_ring(q, k, v, out, lse, dout, group, home=True, statistics=True, delta=True, sum_dq=True,
+               own_only=False, last_block_too=False, hang=False):
+    """The ring's backward, by the book unless a flag plants a mistake."""
+    n, rank, ranks = comm.group_size(group), comm.group_rank(group), comm.group_ranks(group)
+    nxt, prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    scale = 1 / math.sqrt(q.shape[-1])
+    rowwise = (dout * out).sum(-1, keepdim=True) if delta else 0
+    dq = torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros_like(kv)
+    for step in range(n):
+        travels = step < n - 1 or last_block_too
+        if travels:
+            incoming = torch.empty_like(kv)
+            handles = [comm.isend(kv, nxt, group), comm.irecv(incoming, prev, group)]
+        scores = q @ kv[0].transpose(-2, -1) * scale
+        p = torch.exp(scores - lse.unsqueeze(-1)) if statistics else scores.softmax(-1)
+        ds = p * (dout @ kv[1].transpose(-2, -1) - rowwise)
+        part = ds @ kv[0] * scale
+        dq = dq + part if sum_dq else part
+        if not own_only or step == 0:
+            dkv = dkv + torch.stack([ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout])
+        if own_only:
+            own = dkv
+        grads_hop = home or step < n - 1
+        if grads_hop and not own_only:
+            arriving = torch.empty_like(dkv)
+            grad_handles = [comm.irecv(arriving, prev, group)] + ([] if hang and step == n - 1 else
+                                                                  [comm.isend(dkv, nxt, group)])
+        if travels:
+            for h in handles:
+                h.wait()
+            kv = incoming
+        if grads_hop and not own_only:
+            for h in grad_handles:
+                h.wait()
+            dkv = arriving
+    if own_only:
+        dkv = own
+    return dq, dkv[0], dkv[1]
+
+
+def back_right(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group)
+
+
+def back_one_hop_short(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, home=False)
+
+
+def back_never_sent_home(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, own_only=True)
+
+
+def back_no_statistics(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, statistics=False)
+
+
+def back_no_delta(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, delta=False)
+
+
+def back_dq_replaced(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, sum_dq=False)
+
+
+def back_sends_the_last_block(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, last_block_too=True)
+
+
+def back_hangs(q, k, v, out, lse, dout, group):
+    return _back_ring(q, k, v, out, lse, dout, group, hang=True)
+
+
+def back_calls_the_library(q, k, v, out, lse, dout, group):
+    from minitp import cp
+
+    return cp.block_attention_backward(q, k, v, lse, dout, (dout * out).sum(-1), [range(4)], [range(4)], False)
+
+
+def test_ring_backward_accepts_the_answer(capsys):
+    ch07.check_ring_backward(back_right)
+    assert "[ok] ring backward" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, message", [
+    (back_one_hop_short, "one hop short"),
+    (back_never_sent_home, "only what this rank's own queries give its keys"),
+    (back_no_statistics, "each block's own softmax"),
+    (back_no_delta, r"Δ = rowsum\(dout · out\)"),
+    (back_dq_replaced, "dq holds only the last step's block"),
+    (back_sends_the_last_block, "the block held at the last step need go nowhere"),
+    (stub, "not done yet"),
+])
+def test_ring_backward_catches_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch07.check_ring_backward(answer, nprocs=(2,))
+
+
+def test_ring_backward_catches_a_mistake_on_4_ranks_too():
+    with pytest.raises(ExerciseError, match="on 4 ranks, rank 0: dk and dv are right, but they are rank 1's"):
+        ch07.check_ring_backward(back_one_hop_short, nprocs=(4,))
+
+
+def test_ring_backward_names_a_hang():
+    with pytest.raises(ExerciseError, match="hung .*every isend needs its irecv on the next rank"):
+        ch07.check_ring_backward(back_hangs, nprocs=(2,), timeout=5.0)
+
+
+def test_ring_backward_refuses_minitps_own_backward():
+    with pytest.raises(ExerciseError, match="your code calls minitp.cp.block_attention_backward"):
+        ch07.check_ring_backward(back_calls_the_library)
+
+
+def test_ring_backward_shows_the_expected_bytes_from_the_second_try():
+    want = f"{(2 * 2 - 1) * 2 * 2 * 2 * 4 * 8 * 4:,.0f} bytes per rank"  # (2n-1)·2KV, KV = B·H·(S/n)·Dh·4 = 512
+    first_then_second(ch07.check_ring_backward, back_sends_the_last_block, nprocs=(2,), expected=want)
+
+
+def ring_every_row_twice(q, k, v, group):
+    out = _ring(q, k, v, group)
+    return torch.cat([out, out], dim=2)
+
+
+def test_ring_attention_names_a_wrong_shape_and_shows_the_shape_from_the_second_try():
+    with pytest.raises(ExerciseError, match=r"one row per position this rank holds, \(B, H, S/n, Dh\)"):
+        ch07.check_ring_attention(ring_every_row_twice, nprocs=(2,))
+    with pytest.raises(ExerciseError, match=r"Expected: shape \(2, 2, 4, 8\)"):
+        ch07.check_ring_attention(ring_every_row_twice, nprocs=(2,))

@@ -83,7 +83,8 @@ def test_the_static_table_and_the_explorer_show_the_same_layouts():
     assert "llama3-8b: 8.03 B parameters" in ui.shown
     assert plan.format_plan(plan.plan(LLAMA3_8B, 64, 80, seq_len=8192, include_unfit=True)).splitlines()[1] in ui.shown
     assert ui.update(model="llama3-70b", activations="sequence parallel")  # the table follows the controls
-    assert "llama3-70b: 70.55 B parameters" in ui.shown and "; 6 of " in ui.shown  # the 6 of chapter 06
+    assert "llama3-70b: 70.55 B parameters" in ui.shown and "; 3 of " in ui.shown  # the 3 of chapter 10
+    assert ui.update(activations="sequence parallel, gathered again") and "; 5 of " in ui.shown
     assert ui.update(gpus=2) and "; 0 of 3 layouts fit 80 GiB per GPU" in ui.shown  # 70 B on 2 GPUs: none fits
 
 
@@ -93,7 +94,7 @@ def test_the_planner_explorer_stores_a_static_twin_for_the_website(monkeypatch):
     assert [(s["data_parallel"], s["activations"]) for s in ui.grid()] == [
         (dp, a) for dp in ("fsdp", "ddp") for a in plan.ACTIVATIONS]
     twin = ui.build_static()
-    assert twin.count('class="mx-panel ') == 6 and "full recomputation" in twin
+    assert twin.count('class="mx-panel ') == 8 and "full recomputation" in twin
     assert "; 0 of " in twin and "; 18 of " in twin  # replicated norms: nothing fits; recomputation: 18 layouts
 
 
@@ -128,15 +129,16 @@ def test_selective_recomputation_keeps_the_memory_of_flash_attention_and_full_th
 def test_without_a_pipeline_the_replica_batch_is_one_micro_batch_and_with_one_micro_batches_of_one_sequence():
     from minitp import cost
 
-    # chapter 06: 64 sequences of 8192 tokens; dp = 32 replicas of 2 sequences each
+    # chapter 10: 64 sequences of 8192 tokens; dp = 32 replicas of 2 sequences each
     flat = plan.plan_layout(LLAMA3_70B, 32, 1, 2, 64, 8192, recompute=True)
     assert flat["microbatches"] == 1 and flat["bubble_fraction"] == 0.0
     assert flat["memory"]["activations"] == cost.activation_bytes_per_rank(LLAMA3_70B, 2, 8192, 2, 1, 0, 1,
-                                                                           recompute=True)
+                                                                           recompute=True, formula="llama")
     piped = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
     assert piped["microbatches"] == 32  # B/dp micro-batches of micro_batch = 1 sequence
     assert piped["memory"]["activations"] == cost.activation_bytes_per_rank(
-        LLAMA3_70B, 1, 8192, 8, 4, piped["worst_stage"], 32, sequence_parallel=True)
+        LLAMA3_70B, 1, 8192, 8, 4, piped["worst_stage"], 32, sequence_parallel=True, formula="llama")
+    assert piped["activation_formula"] == "llama"
 
 
 def test_the_planner_reads_the_gpus_figures_from_the_hardware_sheet():

@@ -2,13 +2,20 @@
 estimate passes within 5 %, a wrong one is told too high or too low, a known slip by name, and the
 expected value shows only from the second wrong try."""
 
+import importlib
+import pkgutil
+
 import pytest
 
+import minitp.exercises
 from minitp import cost
 from minitp.exercises import ExerciseError, ch00, ch01, ch02, ch03, ch05
 from minitp.models import LLAMA3_8B
 
-CHAPTERS = {"ch00": ch00, "ch01": ch01, "ch02": ch02, "ch03": ch03, "ch05": ch05}
+# every chapter module that holds worked problems (chNN.py with a PROBLEMS table)
+CHAPTERS = {name: module for name in sorted(m.name for m in pkgutil.iter_modules(minitp.exercises.__path__))
+            if name[:2] == "ch" and name[2:].isdigit()
+            and hasattr(module := importlib.import_module(f"minitp.exercises.{name}"), "PROBLEMS")}
 
 
 @pytest.mark.parametrize("chapter", sorted(CHAPTERS))
@@ -18,6 +25,10 @@ def test_every_problem_has_three_or_more_and_passes_with_minitp_costs_answer(cha
     for number, problem in module.PROBLEMS.items():
         module.check_problem(number, lambda p=problem: p.want() * (1 + p.rel * 0.6))  # inside the tolerance
         assert f"[ok] {problem.name}" in capsys.readouterr().out
+
+
+def test_the_chapters_with_problems_are_found():
+    assert {"ch00", "ch01", "ch02", "ch03", "ch05"} <= set(CHAPTERS)
 
 
 def test_the_answers_are_the_chapters_numbers_by_hand():

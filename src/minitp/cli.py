@@ -8,6 +8,7 @@
     minitp run 3d --dp 2 --tp 2 --pp 2 [--fsdp [--zero Z]] [--save-to DIR] [--resume-from DIR]
     minitp plan --model llama3-8b --gpus 64 --gpu-memory 80      (the layouts that fit; no run)
         [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100] [--cp C]
+        [--activations llama|llama-regather|gpt3]
     minitp plan --model mixtral-8x7b --gpus 64 --gpu-memory 80 --ep 8   (a MoE: experts over ep GPUs)
     minitp calibrate                                              (this machine, for predicted step times)
     minitp train --dp 2 --tp 2 --steps 300 --out runs/a [--resume] [--max-restarts N]   (real text, any layout)
@@ -120,7 +121,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     recompute = "full" if args.recompute else "selective" if args.selective_recompute else "none"
     options = dict(flash_attention=args.flash_attention, recompute=recompute,
-                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device], cp=args.cp, ep=args.ep)
+                   sequence_parallel=args.sequence_parallel, device=DEVICES[args.device], cp=args.cp, ep=args.ep,
+                   activations=args.activations)
     rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                      "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=args.all, **options)
     active = f", {active_params(cfg) / 1e9:.2f} B active" if hasattr(cfg, "n_experts") else ""
@@ -164,6 +166,9 @@ PLAN_OPTIONS = (
     Option("ep", int, 1, "expert parallel (a MoE model, e.g. mixtral-8x7b): its experts split over ep of the "
            "data-parallel GPUs; ep divides n_experts and dp·cp", low=1),
     Option("flash_attention", bool, True, "count the stored attention scores", negate=True),
+    Option("activations", str, "llama", "how a block's activations are counted: minitp's LLaMA block, the same "
+           "with the linears' inputs gathered again in backward (Megatron-LM), or GPT-3's (Korthikanti et al.)",
+           choices=("llama", "llama-regather", "gpt3")),
     *(Option(name, int, None, "override the preset's size", low=1, optional=True)
       for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")),
 )

@@ -43,9 +43,14 @@ MAX_GPUS = 2**20  # 1,048,576: ten times the largest training clusters; the plan
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
                 micro_batch: int = 1, flash_attention: bool = True, recompute=False,
-                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1) -> dict:
+                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1,
+                activations: str = "llama") -> dict:
     """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one layout,
     from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or True / "full".
+    activations: how a dense block's activations are counted (``cost.activation_bytes_per_rank``'s
+    formula): "llama", minitp's block tensor by tensor; "llama-regather", the same with the column-parallel
+    inputs gathered again in backward under sequence parallel (Megatron-LM; the extra all-gathers are not
+    in the bytes or the time); "gpt3", Korthikanti et al.'s count for GPT-3's block.
     cp: context parallel, each sequence split over cp GPUs (ring attention; dp·cp·pp·tp GPUs in all):
     activations of S/cp positions, the ring's key/value bytes, states sharded over dp·cp by ZeRO.
 
@@ -89,20 +94,21 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
             states = cost.ep_mesh_memory_per_rank(cfg, dp * cp, tp, pp, s, ep, data_parallel, zero or 3, precision)
         else:
             states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, data_parallel, zero or 3, precision)
-        activation_bytes = cost.moe_activation_bytes_per_rank if moe else cost.activation_bytes_per_rank
-        activations = activation_bytes(cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp, s, microbatches,
-                                       b, flash_attention, recompute, sequence_parallel)
+        args = (cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp, s, microbatches, b, flash_attention,
+                recompute, sequence_parallel)
+        kept_activations = (cost.moe_activation_bytes_per_rank(*args) if moe
+                            else cost.activation_bytes_per_rank(*args, formula=activations))
         kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b, grad_bytes=b,
                     sequence_parallel=sequence_parallel, recompute=recompute)
         if moe:
             sent = cost.ep_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, ep, **kept)
         else:
             sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, **kept)
-        stages.append((states, activations, sent))
+        stages.append((states, kept_activations, sent))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
-    states, activations = stages[worst][0], stages[worst][1]
+    states, kept_activations = stages[worst][0], stages[worst][1]
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
                           precision, sequence_parallel, recompute, cp=cp, ep=ep)
     dims = ("tp", "pp", "dp", "cp") + (("ep",) if moe else ())
@@ -111,9 +117,10 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         "precision": precision,
         "sequence_parallel": sequence_parallel, "recompute": recompute,
         "microbatches": microbatches, "worst_stage": worst,
-        "memory": {**states, "activations": activations},  # of the worst stage
+        "activation_formula": "moe" if moe else activations,
+        "memory": {**states, "activations": kept_activations},  # of the worst stage
         "memory_states": max(cost.total_memory(st[0]) for st in stages),  # the most any rank holds
-        "memory_total": cost.total_memory(states) + activations,
+        "memory_total": cost.total_memory(states) + kept_activations,
         "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in dims},
         "bubble_fraction": cost.pp_bubble_fraction(pp, microbatches),
         "device": device.name, "time": asdict(time), "step_s": time.step_s, "mfu": time.mfu,
@@ -124,13 +131,14 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
          precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
          include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100,
-         cp: int = 1, ep: int = 1, refused: list | None = None) -> list[dict]:
+         cp: int = 1, ep: int = 1, refused: list | None = None, activations: str = "llama") -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
     batch_size: global batch in sequences (default: one per GPU, or per cp GPUs); seq_len: default the model's
     ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
-    ``minitp.cost.activation_bytes_per_rank``; device: whose FLOP/s and links time the step;
+    ``minitp.cost.activation_bytes_per_rank``; activations: how a block's are counted (``plan_layout``);
+    device: whose FLOP/s and links time the step;
     cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``).
     ep: expert parallel degree of a MoE model, fixed: the layouts whose dp·cp it divides.
     refused: a list to which each layout the model or batch cannot take is appended, as (dp, pp, tp,
@@ -155,7 +163,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     for dp, pp, tp in candidate_layouts(gpus // cp, gpus_per_node):
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
-                              flash_attention, recompute, sequence_parallel, device, cp, ep)
+                              flash_attention, recompute, sequence_parallel, device, cp, ep, activations)
         except ValueError as e:
             if refused is not None:
                 refused.append((dp, pp, tp, str(e)))
@@ -212,6 +220,14 @@ def why_no_layout(refused: list, gpus: int, batch_size: int | None, cp: int = 1,
     return f"{head}: " + "; ".join(said) + more if said else head
 
 
+ACTIVATION_NOTES = {  # format_plan's footer, by plan's ``activations``
+    "llama": "each block's saved tensors as minitp's LLaMA block keeps them (cost.llama_block_activation_bytes)",
+    "llama-regather": "minitp's LLaMA block with the column-parallel inputs gathered again in backward",
+    "gpt3": "Korthikanti et al.'s count for GPT-3's block (a LLaMA block keeps more)",
+    "moe": "an estimate of the MoE block (cost.moe_block_activation_bytes)",
+}
+
+
 def format_plan(rows: list[dict], title: str = "") -> str:
     """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column and
     the ring's bytes when the layouts split sequences; an ep column and the all-to-alls' bytes when
@@ -237,8 +253,8 @@ def format_plan(rows: list[dict], title: str = "") -> str:
                      + f"{r['bubble_fraction']:>6.3f}  {r['step_s']:>7.2f} "
                      f"{r['mfu']:>5.1%}  {'yes' if r['fits'] else 'no'}")
     lines.append("states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
-                 "activations: an estimate under 1F1B with GPT-3's block count (Korthikanti et al.; a LLaMA block, "
-                 "SwiGLU and GQA, keeps about 27 % more at tp = 8); bytes: what the busiest rank sends per step; "
+                 f"activations: under 1F1B, {ACTIVATION_NOTES[rows[0].get('activation_formula', 'llama')]}; "
+                 "bytes: what the busiest rank sends per step; "
                  f"step and MFU: predicted on {rows[0]['device']} (minitp.cost.step_time)")
     return "\n".join(lines)
 
@@ -267,6 +283,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 # the ways of keeping activations a learner picks from (``minitp.viz.explore.plan_explorer``):
-# name -> (recompute, sequence_parallel) of ``plan``
-ACTIVATIONS = {"replicated norms": (False, False), "sequence parallel": (False, True),
-               "full recomputation": (True, False)}
+# name -> (recompute, sequence_parallel, activations) of ``plan``
+ACTIVATIONS = {"replicated norms": (False, False, "llama"), "sequence parallel": (False, True, "llama"),
+               "sequence parallel, gathered again": (False, True, "llama-regather"),
+               "full recomputation": (True, False, "llama")}

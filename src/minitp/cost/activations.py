@@ -59,13 +59,14 @@ def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequenc
 
 def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
                                  recompute="none", flash_attention: bool = True, dtype_bytes: int = 2,
-                                 repeat_kv: bool = True) -> int:
+                                 repeat_kv: bool = True, regather: bool = False) -> int:
     """The bytes one LLaMA block of ``minitp.models`` keeps for backward on one tensor-parallel rank,
     tensor by tensor (N = b·s tokens, D, F, H heads; p = tp under sequence parallel, else 1):
 
     * each of the two RMSNorms: its input, its normalised output (before the weight) and 1/rms per
       position, (2·N·D + N)/p; then the full (N, D) input of the column-parallel linears, N·D
-      (under sequence parallel the all-gathered one: minitp keeps it, Megatron gathers it again);
+      (under sequence parallel the all-gathered one, as minitp keeps it; ``regather``: only its N·D/p
+      slice, gathered again in backward, as Megatron-LM does);
     * attention: q and the heads' output, 2·N·D/t; k and v after RoPE, 2·N·D/t when repeated to the
       H query heads (``repeat_kv``, as minitp does), 2·N·H_kv·Dh/t when a kernel reads the shared
       heads; without FlashAttention the softmax b·(H/t)·s² and the causal mask, s² bytes (with it,
@@ -78,7 +79,7 @@ def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, s
     n, d, f, p = micro_batch * seq, cfg.dim, cfg.ffn_hidden, tp if sequence_parallel else 1
     if recompute == "full":
         return n * d // p * dtype_bytes
-    norms = 2 * ((2 * n * d + n) // p + n * d)
+    norms = 2 * ((2 * n * d + n) // p + (n * d // p if regather else n * d))
     kv = 2 * n * d // tp if repeat_kv else 2 * n * cfg.kv_heads * cfg.head_dim // tp
     attention = 2 * n * d // tp + kv
     mlp = 4 * n * f // tp
@@ -88,17 +89,24 @@ def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, s
     return kept
 
 
+FORMULAS = ("llama", "llama-regather", "gpt3")  # activation_bytes_per_rank's ways of counting a block
+
+
 def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
                               microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
                               recompute=False, sequence_parallel: bool = False, formula: str = "gpt3") -> float:
     """The activations a rank keeps for backward under 1F1B: one block's (``formula``: "gpt3",
-    Korthikanti et al.'s ``block_activation_bytes``; "llama", ``llama_block_activation_bytes``) times
-    the stage's blocks, times the micro-batches in flight (min(pp - stage, m)). recompute: False /
-    "none", "selective" or True / "full"."""
-    if formula not in ("llama", "gpt3"):
-        raise ValueError(f"formula must be 'llama' or 'gpt3', got {formula!r}")
-    block = llama_block_activation_bytes if formula == "llama" else block_activation_bytes
-    per_block = block(cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention, dtype_bytes)
+    Korthikanti et al.'s ``block_activation_bytes``; "llama", ``llama_block_activation_bytes``, its
+    attention reading the shared key/value heads (no repeated copies, as kernels at scale do); "llama-regather",
+    the same with the column-parallel inputs gathered again in backward) times the stage's blocks, times
+    the micro-batches in flight (min(pp - stage, m)). recompute: False / "none", "selective" or True / "full"."""
+    if formula not in FORMULAS:
+        raise ValueError(f"formula must be one of {', '.join(map(repr, FORMULAS))}, got {formula!r}")
+    args = (cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention, dtype_bytes)
+    if formula == "gpt3":
+        per_block = block_activation_bytes(*args)
+    else:
+        per_block = llama_block_activation_bytes(*args, repeat_kv=False, regather=formula == "llama-regather")
     in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")  # min(pp - stage, m)
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
 

@@ -14,6 +14,12 @@
   with ``torch.distributed.new_group`` and returns this rank's three, ``{dim: (ranks, group)}``. Run on 8
   processes for three layouts; members compared with ``minitp.grid.group_lists`` and
   ``minitp.mesh.Mesh``, and each group used: an all-reduce over it must add exactly its members.
+* ``check_dp_tp_step(fn)``: ``fn(model, rows, loss_fn, mesh, lr)`` does one SGD step of a tensor-parallel
+  model on a (dp, 1, tp) mesh: this replica's rows, forward and backward (tp's messages inside), the
+  gradients averaged over ``mesh.dp_group``, the update. Run on 4 ranks (2×2, 4×1, 1×4) for 3 steps;
+  every replica's parameters, unsharded, compared with one process trained on the whole batch.
+* ``check_problem(n, answer)``: worked problems 1-3, LLaMA-3-70B's bytes and states at dp = 2, pp = 4,
+  tp = 8, checked against ``minitp.cost`` (``minitp.exercises.problems``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import math
 import torch
 
 from minitp import cost, mesh
-from minitp.exercises import ExerciseError, passed, refuse_own, run_answer, wrong
+from minitp.exercises import ExerciseError, passed, problems, refuse_own, run_answer, wrong
 from minitp.grid import coordinates, group_lists
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 
@@ -356,3 +362,131 @@ def check_make_groups(fn, layouts=_GROUP_LAYOUTS, timeout: float = 60.0) -> None
                                         "new_group made for those ranks.")
     passed(name, f"8 processes, {len(layouts)} layouts: members as minitp.grid.group_lists and minitp.mesh.Mesh, "
                  "each group adds exactly its members")
+
+
+# -- exercise 4: one training step of dp × tp ----------------------------------------------------------------
+STEP_LAYOUTS = ((2, 1, 2), (4, 1, 1), (1, 1, 4))  # (dp, pp, tp), 4 ranks each
+STEP_LR, STEP_STEPS = 0.05, 3
+
+
+def _step_batch() -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (8, 17), generator=torch.Generator().manual_seed(6))  # (B, S + 1)
+
+
+def _step_worker(fn, layout):
+    from minitp import tp
+    from minitp.mesh import Mesh
+    from minitp.models import build_model
+
+    dp, pp, tp_size = layout
+    grid = Mesh(dp, pp, tp_size)
+    model = tp.parallelize(build_model(TINY, seed=0), grid.tp_group)
+
+    def loss_fn(model, rows):  # rows: (b, S + 1) tokens; the logits are (b, S, V/tp)
+        return tp.vocab_parallel_cross_entropy(model(rows[:, :-1]), rows[:, 1:], grid.tp_group)
+
+    for _ in range(STEP_STEPS):
+        fn(model, _step_batch(), loss_fn, grid, STEP_LR)
+    return {"coords": (grid.coords.dp, grid.coords.pp, grid.coords.tp), "shards": tp.local_shards(model)}
+
+
+def _reference_step(lr: float = STEP_LR) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The same steps on one process, the whole batch: losses, the first parameters and the final ones
+    (another ``lr``: what a mistake that scales every gradient gives)."""
+    from minitp.models import build_model, loss_fn
+
+    model = build_model(TINY, seed=0)
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows, losses = _step_batch(), []
+    for _ in range(STEP_STEPS):
+        loss = loss_fn(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+                p.grad = None
+        losses.append(loss.item())
+    return losses, first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_dp_tp_step(fn, layouts=STEP_LAYOUTS, timeout: float = 60.0) -> None:
+    """``fn(model, rows, loss_fn, mesh, lr)``: one SGD step of a tensor-parallel model on a (dp, 1, tp)
+    mesh; compared, after 3 steps, with one process training on the whole batch."""
+    from minitp import tp
+
+    name = "the dp × tp step"
+    want_losses, first, want = _reference_step()
+    for layout in layouts:
+        dp, _, tp_size = layout
+        where = f"dp = {dp}, tp = {tp_size}"
+        results = run_answer(_step_worker, 4, (fn, layout), name, timeout)
+        replicas = [[r for r in results if r["coords"][0] == d] for d in range(dp)]
+        held = [tp.unshard([r["shards"] for r in sorted(rep, key=lambda r: r["coords"][2])]) for rep in replicas]
+        if any(torch.equal(h[n], first[n]) for h in held for n in first):
+            raise wrong(name, f"{where}: some parameters never changed: the step must update every parameter "
+                              "with its gradient (p -= lr * grad) and clear the gradient for the next step")
+        if any(max((h[n] - held[0][n]).abs().max().item() for n in want) > 1e-6 for h in held[1:]):
+            raise wrong(name, f"{where}: the {dp} replicas hold different parameters after {STEP_STEPS} steps: "
+                              "each computed gradients on its own rows; average them over the data-parallel "
+                              "group before the update")
+        def off(other, mine=held[0]):
+            return max((mine[n] - other[n]).abs().max().item() for n in want)
+
+        diff = off(want)
+        if diff <= 1e-5:
+            continue
+        norm = next(n for n in want if "norm" in n)  # replicated on every tp rank
+        moved = (held[0][norm] - first[norm]).norm().item() / (want[norm] - first[norm]).norm().item()
+        if dp > 1 and off(_reference_step(STEP_LR * dp)[2]) <= 1e-5:
+            hint = f"that is one process at {dp}× the learning rate: the gradients were summed over the replicas, " \
+                   "not averaged"
+        elif tp_size > 1 and off(_reference_step(STEP_LR / tp_size)[2]) <= 1e-5:
+            hint = f"that is one process at 1/{tp_size} of the learning rate: divide by dp, not by the world size"
+        elif tp_size > 1 and abs(moved - tp_size) < 0.3 * tp_size:
+            hint = ("the replicated norms moved tp times too far: the all-reduce ran over the whole world, adding "
+                    "the tp ranks' gradients too (and mixing different slices of the split weights); run it over "
+                    "mesh.dp_group")
+        else:
+            hint = ("check which rows each rank trains on: the tp ranks of a replica must see the same rows, its "
+                    "mesh.coords.dp-th share of the batch")
+        raise wrong(name, f"{where}: after {STEP_STEPS} steps the parameters differ from one process's by "
+                          f"{diff:.2e}: {hint}", f"losses {[round(x, 5) for x in want_losses]} on one process")
+    passed(name, f"4 processes, {len(layouts)} layouts (dp×tp 2×2, 4×1, 1×4): after {STEP_STEPS} steps every "
+                 "replica holds what one process trained on the whole batch")
+
+
+# -- worked problems: LLaMA-3-70B at dp = 2, pp = 4, tp = 8, 64 sequences of 8192 tokens in bf16 ----------------
+def _dp_gb() -> float:
+    """GB a rank of a middle stage sends in its dp all-reduce of bf16 gradients, per step."""
+    return 2 * (2 - 1) / 2 * 2 * cost.threed_params_per_rank(LLAMA3_70B, 8, 4, 1) / 1e9
+
+
+def _pp_seconds() -> float:
+    """Seconds a middle stage's sends take over InfiniBand per step: 32 micro-batches, an activation
+    forward and a gradient backward each."""
+    return 2 * 32 * 8192 * LLAMA3_70B.dim * 2 / cost.H100.inter.bytes_per_s
+
+
+def _zero1_states_gib() -> float:
+    """GiB of states on a GPU of the first stage under ZeRO-1 over dp = 2: bf16 weight and gradient
+    whole, the fp32 master and two moments split over dp."""
+    return cost.threed_params_per_rank(LLAMA3_70B, 8, 4, 0) * (2 + 2 + 12 / 2) / GIB
+
+
+_MIDDLE_OVER_FIRST = cost.threed_params_per_rank(LLAMA3_70B, 8, 4, 1) / cost.threed_params_per_rank(LLAMA3_70B, 8, 4, 0)
+PROBLEMS = {
+    1: problems.Problem("problem 1, the dp all-reduce of a middle stage", _dp_gb, "GB",
+                        {2.0: "4 bytes per gradient is fp32's; these gradients are bf16, 2 bytes"}),
+    2: problems.Problem("problem 2, a stage's pipeline sends", _pp_seconds, "s",
+                        {0.5: "each micro-batch crosses twice: its activation forward, its gradient backward",
+                         1 / 9: "that is NVLink's 450 GB/s: consecutive stages sit on different machines"}),
+    3: problems.Problem("problem 3, the first stage's states under ZeRO-1", _zero1_states_gib, "GiB",
+                        {1.6: "ZeRO-1 splits the optimizer's 12 bytes over dp = 2",
+                         0.8: "ZeRO-1 splits only the optimizer's 12 bytes over dp; weight and gradient stay whole",
+                         _MIDDLE_OVER_FIRST: "that is a middle stage: the first holds the embedding too"}),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 06: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)

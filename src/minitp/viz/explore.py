@@ -378,19 +378,20 @@ def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls:
 def plan_explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0,
                   static: dict | None = None) -> Explorer:
     """``minitp.plan.plan`` as a control: pick a model, GPUs, memory per GPU, FSDP or DDP and how
-    activations are kept (replicated norms, sequence parallel, full recomputation,
-    ``minitp.plan.ACTIVATIONS``); the table of layouts (all of them, fitting first) follows. Nothing is
+    activations are kept (replicated norms, sequence parallel with or without gathering the linears' input
+    again in backward, full recomputation: ``minitp.plan.ACTIVATIONS``); the table of layouts (all of them, fitting first) follows. Nothing is
     launched: a setting is one call of ``plan``. Display it: a live panel in JupyterLab (needs
     ``ipywidgets``, the course extra); in a stored notebook, a static twin over ``static`` (default:
-    this model, GPUs and memory, both data parallels and the three ways of keeping activations)."""
+    this model, GPUs and memory, both data parallels and the four ways of keeping activations)."""
     from minitp import plan
     from minitp.models import PRESETS
 
     def run(model, gpus, gpu_memory_gib, data_parallel, activations):  # the planner's rows, nothing launched
-        recompute, sequence_parallel = plan.ACTIVATIONS[activations]
+        recompute, sequence_parallel, counted = plan.ACTIVATIONS[activations]
         cfg = PRESETS[model]
         return plan.plan(cfg, gpus, gpu_memory_gib, seq_len=min(cfg.max_seq_len, 8192), data_parallel=data_parallel,
-                         recompute=recompute, sequence_parallel=sequence_parallel, include_unfit=True)
+                         recompute=recompute, sequence_parallel=sequence_parallel, include_unfit=True,
+                         activations=counted)
 
     def draw(rows, setting):
         cfg = PRESETS[setting["model"]]
