@@ -102,6 +102,7 @@ class DistributedDataParallel(GradientSync, nn.Module):
             views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(group_params, offsets)]
             self.buckets.append(Bucket(i, group_params, buffer, offsets, views))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._zero, self._share = torch.zeros((), dtype=params[0].dtype), 1.0 / self.world_size
         self._next_bucket = 0  # the next bucket to launch, so they go out in order
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -136,15 +137,16 @@ class DistributedDataParallel(GradientSync, nn.Module):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        # average = sum of (grad / n): the whole bucket is divided at once, before the all-reduce
-        bucket.unused_here = [i for i, p in enumerate(bucket.params) if p.grad is None]  # see the top
-        for p, view in zip(bucket.params, bucket.views):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # a fresh gradient from autograd
-                view.copy_(p.grad)
+        # average = sum of (grad / n); each gradient is divided as it goes into the bucket, one pass:
+        # view = 0.0 + grad/n, the 0.0 making a used parameter's share never -0.0 (see the top)
+        bucket.unused_here = []
+        for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+            if p.grad is None:  # took no part in this forward: -0.0 says so
+                bucket.unused_here.append(i)
+                view.fill_(-0.0)
+            else:  # a fresh gradient from autograd, or (kept by the optimizer) the view itself
+                torch.add(self._zero, p.grad, alpha=self._share, out=view)
                 p.grad = view  # from now on backward accumulates in the bucket itself
-        bucket.buffer.div_(self.world_size).add_(0.0)  # used here: never -0.0 (see the top)
-        for i in bucket.unused_here:  # took no part in this forward: -0.0 says so
-            bucket.views[i].fill_(-0.0)
         with _trace.tagged(phase="backward"):  # the gradients' all-reduce, whenever it is launched
             bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
                                             label=f"ddp/bucket{bucket.index}", async_op=True)
