@@ -3,8 +3,9 @@
 import pytest
 import torch
 import torch.distributed as dist
+from hint_levels import first_then_second
 
-from minitp import comm, ring
+from minitp import comm, cost, ring
 from minitp.exercises import ExerciseError, ch00
 
 
@@ -305,3 +306,38 @@ def test_chapter_00_says_once_what_gb_gib_and_a_links_bandwidth_are():
     said = ("**GB is $10^9$ bytes and GiB $2^{30}$ bytes, and a link's bandwidth is per GPU and per direction**")
     assert text.count(said) == 1
     assert "GB is $10^9$" not in _chapter("01_ddp", "markdown")  # said once, in chapter 00
+
+
+# -- hints in levels: the expected value shows only from the second wrong try -------------------------
+def test_ring_bytes_shows_the_expected_bytes_from_the_second_try():
+    want = cost.collective_sent_bytes("all_reduce", 2**20, 4)  # the first case: all-reduce of 1 MiB over 4
+    first_then_second(ch00.check_ring_bytes, lambda op, B, n: 1.0, expected=f"{want:g} bytes per rank")
+
+
+def test_ring_all_reduce_shows_the_expected_chunks_from_the_second_try():
+    want = sum(ch00._inputs(rank, 16, 4) for rank in range(4))  # 4 ranks, 4 elements per chunk, seed 4
+    chunks = [str(want[c * 4:(c + 1) * 4].tolist()) for c in range(4)]
+    with pytest.raises(ExerciseError) as first:
+        ch00.check_ring_all_reduce(copies_instead_of_adding)
+    assert "Expected:" not in str(first.value) and "show_expected" in str(first.value)
+    assert not any(chunk in str(first.value) for chunk in chunks)
+    with pytest.raises(ExerciseError) as second:
+        ch00.check_ring_all_reduce(copies_instead_of_adding)
+    assert "Expected: on rank 0, chunk" in str(second.value) and any(chunk in str(second.value) for chunk in chunks)
+
+
+def test_ring_all_gather_shows_the_expected_output_from_the_second_try():
+    want = torch.cat([ch00._inputs(rank, 3, 4) for rank in range(4)])  # 4 ranks of 3 elements, seed 4
+    first_then_second(ch00.check_ring_all_gather, gather_off_by_one, expected=f"on rank 0, output = {want.tolist()}")
+
+
+def test_tree_broadcast_shows_srcs_tensor_from_the_second_try():
+    data = ch00._inputs(0, 5, seed=3).tolist()  # src 0's tensor
+    first_then_second(ch00.check_tree_broadcast, lambda t, s: tree_broadcast(t, s, copy_back=False),
+                      runs=((4, 0),), expected=f"src's tensor {data} on every rank")
+
+
+def test_ring_all_reduce_names_a_mistake_without_an_expected_value():
+    with pytest.raises(ExerciseError) as first:  # nothing to show: "Expected" never comes, nor a pointer to it
+        ch00.check_ring_all_reduce(uses_all_reduce)
+    assert "send / comm.recv" in str(first.value) and "show_expected" not in str(first.value)

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from hint_levels import first_then_second
 
-from minitp import comm, regions
+from minitp import comm, cost, regions
 from minitp.exercises import ExerciseError, ch03
 from minitp.exercises.heads import causal_attention
 
@@ -200,3 +201,32 @@ def test_chapter_03_llama3_8b_tensor_parallel_bytes_take_nine_times_as_long_over
     for n in (2, 4, 8):
         assert (f"n = {n}: {step[n] / 1e9:5.2f} GB per rank per step: {step[n] / nvlink * 1e3:5.1f} ms of transfer at "
                 f"450 GB/s, {step[n] / infiniband * 1e3:5.1f} ms at 50 GB/s") in outputs
+
+
+# -- hints in levels: the expected value shows only from the second wrong try -------------------------
+def row_doubled(x_shard, weight_shard, bias, group):  # planted: no named mistake, just wrong numbers
+    return 2 * regions.reduce_from_parallel(x_shard @ weight_shard.T, group) + bias
+
+
+def test_row_parallel_forward_shows_the_expected_output_from_the_second_try():
+    x, weight, bias = ch03._row_setup()
+    want = torch.nn.functional.linear(x, weight, bias)[0, 0].tolist()
+    first_then_second(ch03.check_row_parallel_forward, row_doubled, nprocs=(2,), expected=f"y[0, 0] = {want}")
+
+
+def test_pair_bytes_show_the_expected_bytes_from_the_second_try():
+    want = cost.tp_region_bytes(8, 16, 64, 4, dtype_bytes=4)  # the first case
+    first_then_second(ch03.check_pair_bytes, lambda B, S, D, n, b: 1.0, expected=f"{want:,.0f} bytes")
+
+
+def heads_with_an_extra_message(x, wq, wk, wv, wo, n_heads, group):
+    comm.all_reduce(torch.zeros(3), group=group)  # planted: a message attention does not need
+    return heads_attention(x, wq, wk, wv, wo, n_heads, group)
+
+
+def test_attention_shows_the_expected_messages_from_the_second_try():
+    from minitp.exercises import heads
+
+    activation = heads.B * heads.S * heads.D * 4
+    first_then_second(ch03.check_parallel_attention, heads_with_an_extra_message, nprocs=(2,),
+                      expected=f"[('all_reduce', {activation})] in forward")

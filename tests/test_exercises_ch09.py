@@ -5,10 +5,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from hint_levels import first_then_second
 
-from minitp import comm, pp, tp
+from minitp import comm, cost, pp, tp
 from minitp.exercises import ExerciseError, ch09
 from minitp.fsdp import FullyShardedDataParallel
+from minitp.models import LLAMA3_70B
 
 
 def _stub(*args):
@@ -101,8 +103,8 @@ def test_parallelize_accepts_wrappers_of_size_1():
     (parallelize_stage_first, ((2, 1, 2), (1, 2, 2)), "the stage was cut before tensor parallel"),
     (parallelize_without_tp, ((2, 1, 2),), "nothing is split over tp"),
     (parallelize_without_fsdp, ((2, 1, 2),), "never averages its gradients"),
-    (parallelize_fsdp_over_the_world, ((2, 1, 2),), "expected the dp group"),
-    (parallelize_zero3_in_a_pipeline, ((2, 2, 1),), "expected zero=1"),
+    (parallelize_fsdp_over_the_world, ((2, 1, 2),), "not the dp group"),
+    (parallelize_zero3_in_a_pipeline, ((2, 2, 1),), "not the stage this layout needs"),
     (parallelize_no_stage, ((1, 2, 2),), "the whole model"),
     (parallelize_tp_over_dp, ((2, 1, 2),), "not the values"),
     (_stub, ((2, 1, 2),), "not done yet"),
@@ -374,3 +376,74 @@ def test_clip_shows_the_expected_norm_from_the_second_try():
     assert "square root" in str(first.value) and "Expected:" not in str(first.value)
     with pytest.raises(ExerciseError, match=r"Expected: \d+\.\d{6}"):
         ch09.check_clip_grad_norm(clip_squares, layouts=(TP_PP,))
+
+
+# -- worked problems -----------------------------------------------------------------------------------
+def test_the_problems_answers_are_the_numbers_by_hand():
+    psi = LLAMA3_70B.num_params()  # 70.6 B
+    per_token = 6 * psi + 12 * 80 * 8192 * 8192
+    assert ch09.PROBLEMS[1].want() == pytest.approx(15e12 * per_token / (8192 * 989e12 * 0.40) / 86400)
+    assert round(ch09.PROBLEMS[1].want()) == 26
+    assert ch09.checkpoint_bytes() == 14 * psi  # 2 (bf16 weights) + 4 + 4 + 4 (AdamW's fp32 state)
+    assert ch09.PROBLEMS[2].want() == pytest.approx(14 * psi / 100e9) == pytest.approx(9.88, abs=0.01)
+    mtbf = 54 * 24 * 3600 / 419
+    young = math.sqrt(2 * 14 * psi / 100e9 * mtbf) / 60
+    assert ch09.PROBLEMS[3].want() == pytest.approx(young, rel=1e-6) == pytest.approx(7.8, abs=0.05)
+
+
+def test_the_best_interval_minimises_exercise_4s_wasted_fraction():
+    for save, restart, mtbf in ((60.0, 600.0, 11_135.0), (9.9, 120.0, 3600.0), (300.0, 900.0, 86_400.0)):
+        best = ch09.best_interval(save, restart, mtbf)
+        assert best == pytest.approx(math.sqrt(2 * save * mtbf), rel=1e-6)
+        for other in (0.9 * best, 1.1 * best):
+            assert ch09.wasted_fraction(other, save, restart, mtbf) > ch09.wasted_fraction(best, save, restart, mtbf)
+
+
+@pytest.mark.parametrize("number, factor, slip", [
+    (1, 6 * LLAMA3_70B.num_params() / cost.training_flops_per_token(LLAMA3_70B, 8192), "12·L·D·S"),
+    (1, 0.4 / 0.6, "not the sheet's 60 %"),
+    (1, 1 / 3, "the forward alone"),
+    (2, 16 / 14, "gradients are not saved"),
+    (2, 12 / 14, "bf16 weights are saved too"),
+    (3, 1 / math.sqrt(2), "sqrt\\(2CM\\)"),
+    (3, 60.0, "in minutes, not seconds"),
+])
+def test_a_problems_slip_is_named(number, factor, slip):
+    with pytest.raises(ExerciseError, match=slip):
+        ch09.check_problem(number, lambda: ch09.PROBLEMS[number].want() * factor)
+
+
+def test_a_problem_shows_its_answer_only_from_the_second_try():
+    first_then_second(ch09.check_problem, 1, lambda: 1.0, expected="26.13 days")
+
+
+def test_the_problems_solutions_state_the_numbers_minitp_cost_gives():
+    import json
+    from pathlib import Path
+
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "09_capstone.ipynb").read_text())["cells"]
+    text = " ".join(" ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown").split())
+    cfg = LLAMA3_70B
+    per_token = cost.training_flops_per_token(cfg, 8192)
+    seconds = 15e12 * per_token / (8192 * cost.H100.flops_per_s * 0.40)
+    assert f"$\\Psi$ = {cfg.num_params() / 1e9:.1f} B parameters" in text
+    assert f"{per_token / 1e11:.1f} \\cdot 10^{{11}}$ FLOPs per token" in text
+    assert f"{15e12 * per_token / 1e24:.1f} \\cdot 10^{{24}}$ in all" in text
+    assert f"{seconds / 1e6:.1f} \\cdot 10^6$ s, **{ch09.PROBLEMS[1].want():.0f} days**" in text
+    assert f"it would be {ch09.PROBLEMS[1].want() * 0.4 / cost.H100.efficiency:.0f}:" in text
+    assert f"= {ch09.checkpoint_bytes() / 1e9:.0f} GB, **{ch09.PROBLEMS[2].want():.1f} s**" in text
+    save, mtbf = ch09.PROBLEMS[2].want(), ch09.MTBF_S
+    best = ch09.best_interval(save, ch09.RESTART_S, mtbf)
+    assert f"{mtbf:,.0f}".replace(",", "{,}") in text and f"= {best:.0f} s, **{best / 60:.1f} minutes**" in text
+    saving, twice, restarting = (f"{x:.1%}".replace("%", " %") for x in (save / best, best / 2 / mtbf,
+                                                                          ch09.RESTART_S / mtbf))
+    lost = f"{ch09.wasted_fraction(best, save, ch09.RESTART_S, mtbf):.1%}".replace("%", " %")
+    assert (f"`wasted_fraction` is then {lost}: {saving} saving, {twice} work done twice, {restarting} "
+            "restarting") in text
+    assert round(60 / save) == 6 and "A save six times shorter" in text
+
+
+
+def test_parallelize_shows_the_expected_zero_stage_from_the_second_try():
+    first_then_second(ch09.check_parallelize, parallelize_zero3_in_a_pipeline, layouts=((2, 2, 1),),
+                      expected="zero=1")

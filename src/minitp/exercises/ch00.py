@@ -27,7 +27,7 @@ import math
 import torch
 
 from minitp import comm, cost, trace
-from minitp.exercises import ExerciseError, passed, problems, run_answer
+from minitp.exercises import ExerciseError, passed, problems, run_answer, wrong
 from minitp.exercises.problems import Problem
 
 _P2P = ("send", "recv")
@@ -48,22 +48,22 @@ def _check_ops(results, name: str, building: str) -> None:
     for tr in results.traces:
         ops = sorted({e.op for e in _answer_events(tr)} - set(_P2P))
         if ops:
-            raise ExerciseError(f"{name}: rank {tr.rank} called {', '.join(ops)}; build {building} from "
-                                "comm.send / comm.recv (or comm.isend / comm.irecv) only.")
+            raise wrong(name, f"rank {tr.rank} called {', '.join(ops)}; build {building} from "
+                        "comm.send / comm.recv (or comm.isend / comm.irecv) only.")
 
 
 def _check_bytes(results, name: str, expected: float, formula: str, per_step: str) -> None:
     sent = trace.sent_bytes_per_rank(results.traces, scope=_ANSWER)
     if all(s == 0 for s in sent):
-        raise ExerciseError(f"{name}: the values are right but no message was traced. Send with "
-                            "minitp.comm.send/recv (or isend/irecv), not torch.distributed directly, "
-                            "so that every byte is recorded.")
+        raise wrong(name, "the values are right but no message was traced. Send with "
+                    "minitp.comm.send/recv (or isend/irecv), not torch.distributed directly, "
+                    "so that every byte is recorded.")
     for rank, s in enumerate(sent):
         if s != expected:
             more = "more" if s > expected else "less"
-            raise ExerciseError(f"{name}: the values are right, but rank {rank} sent {s:g} bytes, {more} than "
-                                f"the ring's {formula} = {expected:g} bytes (per rank: {[f'{x:g}' for x in sent]}). "
-                                f"Each step should send {per_step}, not the whole tensor.")
+            raise wrong(name, f"the values are right, but rank {rank} sent {s:g} bytes, {more} than the ring's "
+                              f"{formula} (per rank: {[f'{x:g}' for x in sent]}). Each step should send {per_step}, "
+                              "not the whole tensor.", f"{expected:g} bytes per rank")
 
 
 # -- exercise 1: ring all-reduce -----------------------------------------------------------------
@@ -110,25 +110,25 @@ def check_ring_all_reduce(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
             if torch.equal(got, want):
                 continue
             if isinstance(r["returned"], torch.Tensor) and torch.equal(r["returned"], want):
-                raise ExerciseError(f"{name}: your function returned the right sum, but `tensor` itself was "
-                                    "not changed. Like all_reduce, sum in place: write into the chunks of "
-                                    "`tensor` (views of it), e.g. chunk += incoming or chunk.copy_(incoming).")
+                raise wrong(name, "your function returned the right sum, but `tensor` itself was "
+                            "not changed. Like all_reduce, sum in place: write into the chunks of "
+                            "`tensor` (views of it), e.g. chunk += incoming or chunk.copy_(incoming).")
             if torch.equal(got, inputs[rank]):
-                raise ExerciseError(f"{name} on {n} ranks: rank {rank}'s tensor did not change at all. Write the "
-                                    "received chunks into `tensor` in place (its chunks are views of it).")
+                raise wrong(name, f"{name} on {n} ranks: rank {rank}'s tensor did not change at all. Write the "
+                            "received chunks into `tensor` in place (its chunks are views of it).")
             size = numel // n
-            lines = []
+            lines, wanted = [], []
             for c in range(n):
                 sl = slice(c * size, (c + 1) * size)
                 if not torch.equal(got[sl], want[sl]):
-                    lines.append(f"  chunk {c}: expected {want[sl].tolist()}, got {got[sl].tolist()} = "
-                                 f"{_explain_chunk(got[sl], inputs, sl)}")
-            raise ExerciseError(
-                f"{name} on {n} ranks: rank {rank} ends with a wrong tensor.\n" + "\n".join(lines) + "\n"
+                    lines.append(f"  chunk {c}: got {got[sl].tolist()} = {_explain_chunk(got[sl], inputs, sl)}")
+                    wanted.append(f"chunk {c} = {want[sl].tolist()}")
+            raise wrong(
+                name, f"{name} on {n} ranks: rank {rank} ends with a wrong tensor.\n" + "\n".join(lines) + "\n"
                 "Hints: in the reduce-scatter steps a rank must ADD the incoming chunk to its own (copy only "
                 "in the all-gather steps); at step s rank r sends chunk (r - s) % n and receives chunk "
                 "(r - s - 1) % n; after n - 1 steps rank r holds chunk (r + 1) % n complete, which is the "
-                "first chunk it sends in the all-gather.")
+                "first chunk it sends in the all-gather.", f"on rank {rank}, " + ", ".join(wanted))
         _check_ops(results, name, "the all-reduce")
         expected = cost.collective_sent_bytes("all_reduce", numel * 4, n)
         _check_bytes(results, name, expected, f"2(n-1)/n * B with n={n}, B={numel * 4}",
@@ -169,7 +169,7 @@ def check_ring_all_gather(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
         for rank, r in enumerate(results):
             got, want = r["output"], r["expected"]
             if not torch.equal(r["input_after"], r["input"]):
-                raise ExerciseError(f"{name}: rank {rank} changed its `input`; only write into `output`.")
+                raise wrong(name, f"rank {rank} changed its `input`; only write into `output`.")
             if torch.equal(got, want):
                 continue
             lines = []
@@ -183,11 +183,11 @@ def check_ring_all_gather(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
                     owners = [k for k in range(n) if torch.equal(chunk, inputs[k])]
                     what = f"rank {owners[0]}'s input" if owners else f"{chunk.tolist()}, no rank's input"
                 lines.append(f"  chunk {c}: expected rank {c}'s input, got {what}")
-            raise ExerciseError(
-                f"{name} on {n} ranks: rank {rank}'s output is wrong.\n" + "\n".join(lines) + "\n"
+            raise wrong(
+                name, f"{name} on {n} ranks: rank {rank}'s output is wrong.\n" + "\n".join(lines) + "\n"
                 "Hints: first copy your own input into chunk `rank` of output; then at step s send chunk "
                 "(rank - s) % n to the right and receive chunk (rank - s - 1) % n from the left, "
-                "straight into that chunk of output.")
+                "straight into that chunk of output.", f"on rank {rank}, output = {want.tolist()}")
         _check_ops(results, name, "the all-gather")
         expected = cost.collective_sent_bytes("all_gather", n * per_rank * 4, n)
         _check_bytes(results, name, expected, f"(n-1)/n * B with n={n}, B={n * per_rank * 4}",
@@ -214,8 +214,8 @@ def check_ring_bytes(fn) -> None:
         if math.isclose(float(got), want, rel_tol=1e-9):
             continue
         hint = _bytes_hint(op, float(got), nbytes, n)
-        raise ExerciseError(f"{name}: for {op} of B = {nbytes} bytes over n = {n} ranks you gave {got:g} bytes "
-                            f"per rank, expected {want:g}. {hint}")
+        raise wrong(name, f"for {op} of B = {nbytes} bytes over n = {n} ranks you gave {got:g} bytes per rank. "
+                          f"{hint}", f"{want:g} bytes per rank")
     passed(name, "all-reduce 2(n-1)/n * B, all-gather and reduce-scatter (n-1)/n * B")
 
 
@@ -276,16 +276,16 @@ def check_tree_broadcast(fn, runs: tuple[tuple[int, int], ...] = ((4, 0), (6, 2)
             if not torch.equal(r["tensor"], r["expected"]):
                 what = "zeros: it received nothing, or a copy sent before the sender had it" \
                     if not r["tensor"].any() else f"{r['tensor'].tolist()}"
-                raise ExerciseError(f"{name} {where}: rank {rank} ends with {what}; expected src's tensor "
-                                    f"{r['expected'].tolist()}. A rank may send only after it has received (or "
-                                    "is src); receive into `tensor` itself.")
+                raise wrong(name, f"{name} {where}: rank {rank} ends with {what}, not src's tensor. A rank may "
+                            "send only after it has received (or is src); receive into `tensor` itself.",
+                            f"src's tensor {r['expected'].tolist()} on every rank")
         _check_ops(results, name, "the broadcast")
         received_from = {}
         for tr in results.traces:
             recvs = [e for e in _answer_events(tr) if e.op == "recv"]
             if tr.rank != src and len(recvs) != 1:
-                raise ExerciseError(f"{name} {where}: the values are right, but rank {tr.rank} received {len(recvs)} "
-                                    "messages; in a tree every rank but src receives exactly once.")
+                raise wrong(name, f"{name} {where}: the values are right, but rank {tr.rank} received {len(recvs)} "
+                            "messages; in a tree every rank but src receives exactly once.")
             if recvs:
                 received_from[tr.rank] = recvs[0].peer
         deepest = _tree_depth(received_from, src, n)
@@ -293,16 +293,16 @@ def check_tree_broadcast(fn, runs: tuple[tuple[int, int], ...] = ((4, 0), (6, 2)
         sends = [sum(e.op == "send" for e in _answer_events(tr)) for tr in results.traces]
         if deepest > rounds:
             shape = "a chain: each rank passes it on to the next" if deepest == n - 1 else "a deep tree"
-            raise ExerciseError(f"{name} {where}: the values are right, but the data took {deepest} messages in a "
-                                f"row to reach its farthest rank ({shape}); a binomial tree needs only "
-                                f"⌈log2 n⌉ = {rounds}: in each round every rank that has the data sends it on, "
-                                "so the number that have it doubles.")
+            raise wrong(name, f"{name} {where}: the values are right, but the data took {deepest} messages in a "
+                        f"row to reach its farthest rank ({shape}); a binomial tree needs only "
+                        f"⌈log2 n⌉ = {rounds}: in each round every rank that has the data sends it on, "
+                        "so the number that have it doubles.")
         busiest = max(range(n), key=lambda k: sends[k])
         if sends[busiest] > rounds:
-            raise ExerciseError(f"{name} {where}: the values are right, but rank {busiest} sent {sends[busiest]} "
-                                "messages, one after another, while the ranks that already had the data sent "
-                                f"none; a binomial tree takes ⌈log2 n⌉ = {rounds} rounds: each round, every rank "
-                                "that has the data sends it on, so the number that have it doubles.")
+            raise wrong(name, f"{name} {where}: the values are right, but rank {busiest} sent {sends[busiest]} "
+                        "messages, one after another, while the ranks that already had the data sent "
+                        f"none; a binomial tree takes ⌈log2 n⌉ = {rounds} rounds: each round, every rank "
+                        "that has the data sends it on, so the number that have it doubles.")
     passed(name, f"matches broadcast on {' and '.join(str(n) for n, _ in runs)} ranks; every rank received "
                  "once, at most ⌈log2 n⌉ messages from src")
 

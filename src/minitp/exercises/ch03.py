@@ -24,7 +24,7 @@ import math
 import torch
 
 from minitp import cost, regions, trace
-from minitp.exercises import ExerciseError, passed, problems, run_answer
+from minitp.exercises import ExerciseError, passed, problems, run_answer, wrong
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 from minitp.exercises.problems import Problem
 from minitp.models import LLAMA3_8B, LLAMA3_70B
@@ -95,50 +95,49 @@ def check_row_parallel_forward(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
         for rank, r in enumerate(results):
             y = r["y"]
             if y is None:
-                raise ExerciseError(f"{name}: rank {rank} returned no tensor; return the layer's output y.")
+                raise wrong(name, f"rank {rank} returned no tensor; return the layer's output y.")
             if y.shape != want.shape:
-                raise ExerciseError(
-                    f"{name} on {n} ranks: rank {rank} returned shape {tuple(y.shape)}, expected "
-                    f"{tuple(want.shape)} (the full output: every rank ends with all out features). "
-                    "Multiply x_shard (..., in/n) by weight_shard.T (in/n, out); do not gather or split "
-                    "the output.")
+                raise wrong(
+                    name, f"{name} on {n} ranks: rank {rank} returned shape {tuple(y.shape)}, not the full output "
+                    "(every rank ends with all out features). Multiply x_shard (..., in/n) by weight_shard.T "
+                    "(in/n, out); do not gather or split the output.", f"shape {tuple(want.shape)}")
             if max_diff(y, want) <= TOL:
                 continue
             if max_diff(y, r["partial"] + bias) <= TOL or max_diff(y, r["partial"]) <= TOL:
-                raise ExerciseError(
-                    f"{name} on {n} ranks: rank {rank} returned only its own partial sum. Each rank's "
+                raise wrong(
+                    name, f"{name} on {n} ranks: rank {rank} returned only its own partial sum. Each rank's "
                     "x_shard @ weight_shard.T covers in/n of the input features; add the n partial sums "
                     "over the ranks (g: regions.reduce_from_parallel, an all-reduce) before the bias.")
             if (results[0]["untransposed"] is not None
                     and max_diff(y, sum(q["untransposed"] for q in results) + bias) <= TOL):
-                raise ExerciseError(
-                    f"{name} on {n} ranks: you multiplied by weight_shard, not its transpose. nn.Linear stores "
+                raise wrong(
+                    name, f"{name} on {n} ranks: you multiplied by weight_shard, not its transpose. nn.Linear stores "
                     "its weight as (out, in), so this rank's slice is (out, in/n) and y = x_shard @ weight_shard.T "
                     "(here out = in/n, so the shapes fitted by chance).")
             if max_diff(y, want + (n - 1) * bias) <= TOL:
-                raise ExerciseError(
-                    f"{name} on {n} ranks: the output is off by (n - 1) x bias = {n - 1} x bias: the bias was "
+                raise wrong(
+                    name, f"{name} on {n} ranks: the output is off by (n - 1) x bias = {n - 1} x bias: the bias was "
                     "added on every rank before the sum, so the all-reduce counted it n times. Add the "
                     "bias once, after the all-reduce.")
             if max_diff(y, want - bias) <= TOL:
-                raise ExerciseError(f"{name} on {n} ranks: the output lacks the bias; add it after the sum.")
-            raise ExerciseError(
-                f"{name} on {n} ranks: rank {rank}'s output differs from nn.Linear's by up to "
-                f"{max_diff(y, want):.3g}.\nExpected y[0, 0] = {want[0, 0].detach().tolist()}\n"
-                f"got      y[0, 0] = {y[0, 0].tolist()}\nHint: y = g(x_shard @ weight_shard.T) + bias.")
+                raise wrong(name, f"{name} on {n} ranks: the output lacks the bias; add it after the sum.")
+            raise wrong(
+                name, f"{name} on {n} ranks: rank {rank}'s output differs from nn.Linear's by up to "
+                f"{max_diff(y, want):.3g}; you gave y[0, 0] = {y[0, 0].tolist()}.\n"
+                "Hint: y = g(x_shard @ weight_shard.T) + bias.", f"y[0, 0] = {want[0, 0].detach().tolist()}")
         for tr in results.traces:
             msgs = answer_messages(tr)
             fwd = [e for e in msgs if phase(e) == "forward"]
             bwd = [e for e in msgs if phase(e) == "backward"]
             if not msgs:
-                raise ExerciseError(
-                    f"{name}: the output is right, but no message was traced. Sum with minitp.comm "
+                raise wrong(
+                    name, "the output is right, but no message was traced. Sum with minitp.comm "
                     "(regions.reduce_from_parallel or comm.all_reduce), not torch.distributed directly, so "
                     "every byte is recorded.")
             if [e.op for e in fwd] != ["all_reduce"] or bwd:
                 got = ", ".join(f"{e.op} ({phase(e)})" for e in msgs)
-                raise ExerciseError(
-                    f"{name}: the output is right, but rank {tr.rank} sent {got}; a row-parallel layer "
+                raise wrong(
+                    name, f"the output is right, but rank {tr.rank} sent {got}; a row-parallel layer "
                     "needs exactly one all-reduce forward (of y, before the bias) and nothing backward: "
                     "g's backward is the identity.")
         grads = {"x_shard": (0, xr.grad, -1), "weight_shard": (1, wr.grad, 1)}
@@ -148,13 +147,13 @@ def check_row_parallel_forward(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
                 expected = full.chunk(n, dim=dim)[rank]
                 if got is None or max_diff(got, expected) > TOL:
                     ratio = "" if got is None else _ratio(got, expected)
-                    raise ExerciseError(
-                        f"{name} on {n} ranks: the output is right but the gradient of {key} on rank {rank} "
+                    raise wrong(
+                        name, f"{name} on {n} ranks: the output is right but the gradient of {key} on rank {rank} "
                         f"is wrong{ratio}. g's backward passes the gradient through unchanged; an all-reduce "
                         "in backward would count it n times.")
             if r["b_grad"] is None or max_diff(r["b_grad"], br.grad) > TOL:
-                raise ExerciseError(f"{name} on {n} ranks: the bias gradient on rank {rank} is wrong"
-                                    f"{'' if r['b_grad'] is None else _ratio(r['b_grad'], br.grad)}.")
+                raise wrong(name, f"{name} on {n} ranks: the bias gradient on rank {rank} is wrong"
+                            f"{'' if r['b_grad'] is None else _ratio(r['b_grad'], br.grad)}.")
     passed(name, f"matches nn.Linear on {' and '.join(map(str, nprocs))} ranks, one all-reduce forward, "
                  "none backward")
 
@@ -215,19 +214,19 @@ def check_f_operator(cls, nprocs: tuple[int, ...] = (2, 4)) -> None:
         results = run_answer(_f_worker, n, (cls,), name)
         for rank, r in enumerate(results):
             if r["entered"] is None:
-                raise ExerciseError(f"{name}: forward returned no tensor; return x (a view of it) unchanged.")
+                raise wrong(name, "forward returned no tensor; return x (a view of it) unchanged.")
             if not r["same"]:
-                raise ExerciseError(
-                    f"{name} on {n} ranks: forward changed x on rank {rank} (max change "
+                raise wrong(
+                    name, f"{name} on {n} ranks: forward changed x on rank {rank} (max change "
                     f"{max_diff(r['entered'], x):.3g}). f's forward is the identity: every rank already holds "
                     "the same full x. Return x.view_as(x).")
             if max_diff(r["y"], want) > TOL:
-                raise ExerciseError(f"{name} on {n} ranks: the pair's output is wrong on rank {rank}; "
-                                    "forward must return x unchanged.")
+                raise wrong(name, f"{name} on {n} ranks: the pair's output is wrong on rank {rank}; "
+                            "forward must return x unchanged.")
             grad = r["x_grad"]
             if grad is None:
-                raise ExerciseError(f"{name}: x got no gradient; backward must return the gradient for x "
-                                    "(and None for the group).")
+                raise wrong(name, "x got no gradient; backward must return the gradient for x "
+                            "(and None for the group).")
             if max_diff(grad, xr.grad) <= TOL:
                 continue
             col = w_col.chunk(n, dim=0)[rank]
@@ -236,22 +235,22 @@ def check_f_operator(cls, nprocs: tuple[int, ...] = (2, 4)) -> None:
             own = _pair_forward(xl, col, row)
             own.backward(2 * want.detach())
             if max_diff(grad, xl.grad) <= TOL:
-                raise ExerciseError(
-                    f"{name} on {n} ranks: x's gradient on rank {rank} is only this rank's part: its column "
+                raise wrong(
+                    name, f"{name} on {n} ranks: x's gradient on rank {rank} is only this rank's part: its column "
                     "slice reaches F/n hidden units, so it sees only their share of dL/dx. Backward must "
                     "sum the parts over the ranks: all-reduce the gradient (comm.all_reduce on a copy).")
-            raise ExerciseError(f"{name} on {n} ranks: x's gradient on rank {rank} is wrong"
-                                f"{_ratio(grad, xr.grad)}. Sum over the ranks, do not average.")
+            raise wrong(name, f"{name} on {n} ranks: x's gradient on rank {rank} is wrong"
+                        f"{_ratio(grad, xr.grad)}. Sum over the ranks, do not average.")
         for tr in results.traces:
             msgs = answer_messages(tr)
             fwd = [e.op for e in msgs if phase(e) == "forward"]
             bwd = [e.op for e in msgs if phase(e) == "backward"]
             if not bwd:
-                raise ExerciseError(f"{name}: the gradient is right but no message was traced in backward. "
-                                    "All-reduce with minitp.comm.all_reduce so every byte is recorded.")
+                raise wrong(name, "the gradient is right but no message was traced in backward. "
+                            "All-reduce with minitp.comm.all_reduce so every byte is recorded.")
             if fwd or bwd != ["all_reduce"]:
-                raise ExerciseError(f"{name}: rank {tr.rank} sent {fwd or 'nothing'} forward and {bwd} backward; "
-                                    "f sends nothing forward and one all-reduce backward.")
+                raise wrong(name, f"rank {tr.rank} sent {fwd or 'nothing'} forward and {bwd} backward; "
+                            "f sends nothing forward and one all-reduce backward.")
     passed(name, f"identity forward, one all-reduce backward, x's gradient matches one process on "
                  f"{' and '.join(map(str, nprocs))} ranks")
 
@@ -283,8 +282,8 @@ def check_pair_bytes(fn) -> None:
         hint = next((h for v, h in hints if math.isclose(float(got), v, rel_tol=1e-9)),
                     "Two all-reduces of the activation A = batch * seq * dim * dtype_bytes (g forward, f backward), "
                     "each 2(n-1)/n * A per rank.")
-        raise ExerciseError(f"{name}: for B={batch}, S={seq}, D={dim}, n={n}, {b} bytes per element you gave "
-                            f"{float(got):,.0f} bytes, expected {want:,.0f}. {hint}")
+        raise wrong(name, f"for B={batch}, S={seq}, D={dim}, n={n}, {b} bytes per element you gave "
+                          f"{float(got):,.0f} bytes. {hint}", f"{want:,.0f} bytes")
     passed(name, "2 all-reduces of B*S*D*b, each 2(n-1)/n of it per rank")
 
 

@@ -14,6 +14,9 @@
   down to ``min_ratio``·lr, against ``minitp.trainer.lr_at``.
 * ``check_wasted_fraction(fn)``: ``fn(interval, save_seconds, restart_seconds, mtbf)``, the share of a
   run's time lost to checkpoints and failures, to first order (Young, 1974).
+* ``check_problem(n, answer)``: worked problems 1-3, a run at scale estimated from the hardware sheet
+  (``minitp.cost.H100``) and the chapter's formulas, checked against ``minitp.cost`` and ``wasted_fraction``
+  (``minitp.exercises.problems``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from contextlib import nullcontext
 
 import torch
 
-from minitp import comm, trace
-from minitp.exercises import ExerciseError, call_answer, passed, refuse_own, run_answer, wrong
+from minitp import comm, cost, trace
+from minitp.exercises import ExerciseError, call_answer, passed, problems, refuse_own, run_answer, wrong
+from minitp.exercises.problems import Problem
 from minitp.grid import coordinates, group_lists
+from minitp.models import LLAMA3_70B
 
 ANSWER = "answer"
 WHOLE_CONTEXT = ("tok_embeddings.weight", "output.weight")  # what a pipeline stage takes from the model itself
@@ -136,67 +141,69 @@ def _check_pieces(name: str, layout, rank: int, r: dict, whole: dict) -> None:
     where = f"on dp={dp}, pp={pp_size}, tp={tp_size}, rank {rank}"
     c = coordinates(rank, dp, pp_size, tp_size)
     if "fsdp_first" in r:
-        raise ExerciseError(
+        raise wrong(name,
             f"{name} {where}: tp.parallelize found the model's tensors empty (\"storage of size 0\"). "
             "FSDP had wrapped the model first: it flattens every parameter into its own buffer, keeps "
             "this rank's shard and frees the whole tensors, so tensor parallel found nothing to split. Wrap "
             "with FSDP last, around what tp and pp left on this rank.")
     if "bad" in r:
-        raise ExerciseError(f"{name} {where}: return the module this rank runs (the FSDP wrapper, or the stage "
-                            f"or the model when dp = 1), got {r['bad']}.")
+        raise wrong(name, f"{name} {where}: return the module this rank runs (the FSDP wrapper, or the stage "
+                          f"or the model when dp = 1), got {r['bad']}.")
     held, want = r["held"], r["want"]
     if tp_size > 1 and r["split_layers"] == 0:
-        raise ExerciseError(f"{name} {where}: nothing is split over tp: every layer is whole. Start with "
-                            "tp.parallelize(model, mesh.tp_group), on the whole model.")
+        raise wrong(name, f"{name} {where}: nothing is split over tp: every layer is whole. Start with "
+                          "tp.parallelize(model, mesh.tp_group), on the whole model.")
     if r["fsdp"] and tp_size > 1 and any(tuple(held[n].shape) == tuple(whole[n].shape) for n in held
                                          if n.startswith("layers.") and n in want and want[n].shape != whole[n].shape):
-        raise ExerciseError(
+        raise wrong(name,
             f"{name} {where}: FSDP holds the whole matrices, unsplit, while the model's layers are tp-parallel: "
             "FSDP wrapped the model before tensor parallel split it. tp.parallelize then put new, split layers "
             "in place, which FSDP never saw (it shards and averages the old ones). Split first, wrap last.")
     if dp > 1 and not r["fsdp"]:
-        raise ExerciseError(f"{name} {where}: dp={dp}, but this rank returned a {r['kind']} that keeps a whole "
-                            "copy of its piece and never averages its gradients. Wrap what the rank holds in "
-                            "FullyShardedDataParallel(module, mesh.dp_group, zero=...) and return the wrapper.")
+        raise wrong(name, f"{name} {where}: dp={dp}, but this rank returned a {r['kind']} that keeps a whole "
+                          "copy of its piece and never averages its gradients. Wrap what the rank holds in "
+                          "FullyShardedDataParallel(module, mesh.dp_group, zero=...) and return the wrapper.")
     if r["fsdp"]:
         ranks = next(g for g in group_lists(dp, pp_size, tp_size)["dp"] if rank in g)
         if r["group"] != ranks:
-            raise ExerciseError(f"{name} {where}: FSDP shards over ranks {r['group']}, expected the dp group "
-                                f"{ranks}: the ranks that hold the same piece of the model (mesh.dp_group).")
+            raise wrong(name, f"{name} {where}: FSDP shards over ranks {r['group']}, not the dp group: the ranks "
+                              "that hold the same piece of the model (mesh.dp_group).", f"the dp group {ranks}")
         zero = 1 if pp_size > 1 else 3
         if r["zero"] != zero:
             why = ("with a pipeline each micro-batch runs its own backward, so the gradients must add up whole "
                    "before they are sharded: ZeRO-1" if pp_size > 1 else
                    "without a pipeline, shard everything: ZeRO-3")
-            raise ExerciseError(f"{name} {where}: FSDP with zero={r['zero']}, expected zero={zero}: {why}.")
+            raise wrong(name, f"{name} {where}: FSDP with zero={r['zero']}, not the stage this layout needs: {why}.",
+                        f"zero={zero}")
     if held.keys() != want.keys():
         mine, expected = _blocks(held), _blocks(want)
         if pp_size > 1 and len(mine) > len(expected):
-            raise ExerciseError(f"{name} {where}: this rank holds blocks {mine}, the whole model; its stage is "
-                                f"blocks {expected}. Cut it with pp.PipelineStage(model, mesh.coords.pp, mesh.pp).")
+            raise wrong(name, f"{name} {where}: this rank holds blocks {mine}, the whole model, not its stage's. "
+                              "Cut it with pp.PipelineStage(model, mesh.coords.pp, mesh.pp).", f"blocks {expected}")
         extra, missing = sorted(held.keys() - want.keys()), sorted(want.keys() - held.keys())
-        raise ExerciseError(f"{name} {where} (stage {c.pp} of {pp_size}): it holds blocks {mine}, expected "
-                            f"{expected}" + (f"; unexpected {extra[:3]}" if extra else "")
-                            + (f"; missing {missing[:3]}" if missing else "")
-                            + ". The stage is this rank's pp coordinate: mesh.coords.pp of mesh.pp.")
+        raise wrong(name, f"{name} {where} (stage {c.pp} of {pp_size}): it holds blocks {mine}, not its stage's"
+                          + (f"; unexpected {extra[:3]}" if extra else "")
+                          + (f"; missing {missing[:3]}" if missing else "")
+                          + ". The stage is this rank's pp coordinate: mesh.coords.pp of mesh.pp.",
+                    f"blocks {expected}")
     for n in want:
         got, expected = tuple(held[n].shape), tuple(want[n].shape)
         if got == expected:
             continue
         if n in WHOLE_CONTEXT and got == tuple(whole[n].shape):
-            raise ExerciseError(
+            raise wrong(name,
                 f"{name} {where}: the stage's {n} is whole, {got}, while its blocks are split: the stage was "
                 "cut before tensor parallel. PipelineStage keeps the model's embedding and output layer as they "
                 "were; tp.parallelize then put split ones on the model, not on the stage. Split the whole "
                 "model first, then cut the stage.")
-        raise ExerciseError(f"{name} {where}: {n} has shape {got}, expected {expected} (this rank's tp slice of "
-                            f"{tuple(whole[n].shape)}). Split over mesh.tp_group, whose {tp_size} ranks differ "
-                            "only in tp.")
+        raise wrong(name, f"{name} {where}: {n} has shape {got}, not this rank's tp slice of "
+                          f"{tuple(whole[n].shape)}. Split over mesh.tp_group, whose {tp_size} ranks differ "
+                          "only in tp.", f"shape {expected}")
     for n in want:
         if not torch.equal(held[n], want[n]):
-            raise ExerciseError(f"{name} {where}: {n} has the right shape but not the values of this rank's "
-                                f"slice (tp rank {c.tp} holds slice {c.tp}). Split over mesh.tp_group, and build "
-                                "nothing anew: the plain model's weights are the ones to cut.")
+            raise wrong(name, f"{name} {where}: {n} has the right shape but not the values of this rank's "
+                              f"slice (tp rank {c.tp} holds slice {c.tp}). Split over mesh.tp_group, and build "
+                              "nothing anew: the plain model's weights are the ones to cut.")
 
 
 def check_parallelize(fn, layouts=PARALLELIZE_LAYOUTS) -> None:
@@ -217,18 +224,19 @@ def check_parallelize(fn, layouts=PARALLELIZE_LAYOUTS) -> None:
             _check_pieces(name, layout, rank, r, whole)
         for rank, r in enumerate(results):
             if "loss_error" in r:
-                raise ExerciseError(f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: each rank holds the right "
-                                    f"pieces, but a forward and backward through them failed on rank {rank}: "
-                                    f"{r['loss_error']}")
+                raise wrong(name, f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: each rank holds the right "
+                                  f"pieces, but a forward and backward through them failed on rank {rank}: "
+                                  f"{r['loss_error']}")
         last = [r["loss"] for rank, r in enumerate(results)
                 if coordinates(rank, dp, pp_size, tp_size).pp == pp_size - 1 and r.get("loss") is not None]
         if len(last) != dp * tp_size:
-            raise ExerciseError(f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: the last stage's ranks returned "
-                                "no loss: return the module itself (a PipelineStage, or FSDP around it).")
+            raise wrong(name, f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: the last stage's ranks returned "
+                              "no loss: return the module itself (a PipelineStage, or FSDP around it).")
         loss = sum(last) / len(last)  # every tp rank of a replica has its loss; the replicas' mean is the batch's
         if not math.isclose(loss, reference, rel_tol=1e-5, abs_tol=1e-6):
-            raise ExerciseError(f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: every rank holds the right "
-                                f"pieces, but a forward gives the loss {loss:.6f}, one process {reference:.6f}.")
+            raise wrong(name, f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: every rank holds the right "
+                              f"pieces, but a forward gives the loss {loss:.6f}, not one process's.",
+                        f"{reference:.6f}")
     shown = ", ".join(f"dp{d}·pp{p}·tp{t}".replace("·pp1", "").replace("·tp1", "").replace("dp1·", "")
                       for d, p, t in layouts)
     passed(name, f"on 4 ranks, {shown}: each rank holds Parallel3D's pieces, and the loss is one process's")
@@ -345,8 +353,8 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
         for case in ("no clip", "clip"):
             bad = [(rank, r[case]["bad"]) for rank, r in enumerate(results) if "bad" in r[case]]
             if bad:
-                raise ExerciseError(f"{name} {where}: rank {bad[0][0]} returned {bad[0][1]}; return the norm, "
-                                    "a number (a float, or a 0-d tensor).")
+                raise wrong(name, f"{name} {where}: rank {bad[0][0]} returned {bad[0][1]}; return the norm, "
+                                  "a number (a float, or a 0-d tensor).")
             norms = [r[case]["norm"] for r in results]
             if max(norms) - min(norms) > 1e-6 * max(1.0, max(norms)):
                 stages = [coordinates(rank, dp, pp_size, tp_size).pp for rank in range(len(norms))]
@@ -361,9 +369,9 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                         "blocks' gradients; the norm needs every stage's: all-reduce over the whole world "
                         "(group=None), not over the tp or dp group.", f"{want:.4f} on every rank")
                 shown = ", ".join(f"{v:.4f}" for v in norms)
-                raise ExerciseError(f"{name} {where}: the ranks disagree on the norm ({shown}). "
-                                    "Each rank's sum of squares is a piece of one sum: all-reduce it over the whole "
-                                    "world (group=None), then every rank takes the same square root.")
+                raise wrong(name, f"{name} {where}: the ranks disagree on the norm ({shown}). "
+                                  "Each rank's sum of squares is a piece of one sum: all-reduce it over the whole "
+                                  "world (group=None), then every rank takes the same square root.")
             got = norms[0]
             if not math.isclose(got, want, rel_tol=1e-5):
                 hint = _norm_hint(got, want, n2, r2, dp, tp_size, ddp)
@@ -371,18 +379,18 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                                   f"(torch.nn.utils.clip_grad_norm_). {hint}", f"{want:.6f}")
         for rank, r in enumerate(results):
             if not r["no clip"]["unchanged"]:
-                raise ExerciseError(f"{name} {where}: with max_norm={NO_CLIP:g}, far above the norm {want:.4f}, "
-                                    f"rank {rank}'s gradients changed (scaled by {r['no clip']['factor']:.4g}). "
-                                    "Clipping only ever shrinks: coef = min(1, max_norm / (norm + 1e-6)).")
+                raise wrong(name, f"{name} {where}: with max_norm={NO_CLIP:g}, far above the norm {want:.4f}, "
+                                  f"rank {rank}'s gradients changed (scaled by {r['no clip']['factor']:.4g}). "
+                                  "Clipping only ever shrinks: coef = min(1, max_norm / (norm + 1e-6)).")
         if all(r["clip"]["unchanged"] for r in results):
-            raise ExerciseError(f"{name} {where}: the norm is right, but with max_norm={small:.4f} (a quarter of "
-                                "it) no gradient changed: you forgot to scale. Multiply every gradient in place by "
-                                "min(1, max_norm / (norm + 1e-6)).")
+            raise wrong(name, f"{name} {where}: the norm is right, but with max_norm={small:.4f} (a quarter of "
+                              "it) no gradient changed: you forgot to scale. Multiply every gradient in place by "
+                              "min(1, max_norm / (norm + 1e-6)).")
         for rank, r in enumerate(results):
             if not r["clip"]["scaled"]:
                 c = coordinates(rank, dp, pp_size, tp_size)
                 if r["clip"]["untouched"]:
-                    raise ExerciseError(
+                    raise wrong(name,
                         f"{name} {where}: rank {rank} (dp {c.dp}, pp {c.pp}, tp {c.tp}) left {r['clip']['untouched']} "
                         "of its gradients as they were. Scale every gradient the optimizer will read on every rank "
                         "(every replica, every tp rank, every shard), not only the ones you counted in the norm.")
@@ -393,7 +401,7 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
             for rank, ops in enumerate(_ops(results, case)):
                 if ops != [("all_reduce", len(results))]:
                     said = ", ".join(f"{op} over {n} ranks" for op, n in ops) or "nothing traced"
-                    raise ExerciseError(
+                    raise wrong(name,
                         f"{name} {where}: the values are right, but rank {rank} sent {said}. One all-reduce of one "
                         "number over the whole world is all it takes (the pieces are disjoint), sent with "
                         "minitp.comm.all_reduce so that it is recorded.")
@@ -494,3 +502,62 @@ def check_wasted_fraction(fn) -> None:
         raise wrong(name, f"for interval={interval} s, save={save} s, restart={restart} s, mtbf={mtbf} s you gave "
                           f"{got:.6g}. {hint}", f"{want:.6g}")
     passed(name, "save/interval + (interval/2 + restart)/mtbf")
+
+
+# -- worked problems: a run at scale (minitp.exercises.problems) ---------------------------------------------
+TOKENS = 15e12  # LLaMA-3's pre-training tokens
+GPUS, MFU, SEQ = 8192, 0.40, 8192  # assumed: the problems say so (MFU near the 38-43 % the Llama 3 paper reports)
+STORAGE_BYTES_PER_S = 100e9  # assumed: a file system's aggregate write rate (storage is not on the hardware sheet)
+MTBF_S = 54 * 24 * 3600 / 419  # section 8: 419 unexpected interruptions in 54 days (Llama 3 paper, 3.3.4)
+RESTART_S = 600.0  # section 8's restart
+
+
+def _days_to_train(cfg=LLAMA3_70B) -> float:
+    """LLaMA-3-70B on TOKENS tokens of SEQ, training_flops_per_token each, on GPUS H100s at MFU of their peak."""
+    flops = TOKENS * cost.training_flops_per_token(cfg, SEQ)
+    return flops / (GPUS * cost.H100.flops_per_s * MFU) / 86400
+
+
+def checkpoint_bytes(cfg=LLAMA3_70B) -> float:
+    """A mixed-precision checkpoint: the bf16 weights and AdamW's fp32 state (master weights, two
+    moments), ``memory_per_rank``'s parameters and optimizer state without the gradients: 14 bytes per
+    parameter."""
+    held = cost.memory_per_rank(cfg.num_params(), precision="bf16")
+    return held["params"] + held["optimizer"]
+
+
+def _save_seconds() -> float:
+    return checkpoint_bytes() / STORAGE_BYTES_PER_S
+
+
+def best_interval(save_seconds: float, restart_seconds: float, mtbf: float) -> float:
+    """The interval of work that minimises ``wasted_fraction`` (found by search: Young's sqrt(2CM))."""
+    low, high = 1e-3, 100 * mtbf
+    for _ in range(200):  # ternary search: wasted_fraction is convex in the interval
+        a, b = low + (high - low) / 3, high - (high - low) / 3
+        if wasted_fraction(a, save_seconds, restart_seconds, mtbf) < wasted_fraction(b, save_seconds,
+                                                                                     restart_seconds, mtbf):
+            high = b
+        else:
+            low = a
+    return (low + high) / 2
+
+
+PROBLEMS = {
+    1: Problem("problem 1, days to train LLaMA-3-70B", _days_to_train, "days",
+               {6 * LLAMA3_70B.num_params() / cost.training_flops_per_token(LLAMA3_70B, SEQ):
+                "attention's 12·L·D·S FLOPs per token are missing",
+                MFU / cost.H100.efficiency: "the run reaches its MFU of the peak, 40 %, not the sheet's 60 %",
+                1 / 3: "that is the forward alone: backward costs twice the forward"}),
+    2: Problem("problem 2, one save of LLaMA-3-70B", _save_seconds, "s",
+               {16 / 14: "the gradients are not saved: a checkpoint holds weights and optimizer state",
+                12 / 14: "the bf16 weights are saved too, beside AdamW's fp32 master copy and moments"}),
+    3: Problem("problem 3, how often to save it", lambda: best_interval(_save_seconds(), RESTART_S, MTBF_S) / 60,
+               "minutes", {1 / math.sqrt(2): "Young's interval is sqrt(2CM): a failure costs half an interval",
+                           60.0: "the answer is in minutes, not seconds"}),
+}
+
+
+def check_problem(number: int, answer) -> None:
+    """Problem ``number`` of chapter 09: ``answer()`` returns the estimate, in the unit the problem asks."""
+    problems.check_problem(PROBLEMS, number, answer)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from minitp import trace
-from minitp.exercises import ExerciseError, run_answer
+from minitp.exercises import ExerciseError, run_answer, wrong
 
 ANSWER = "answer"
 TOL = 1e-5
@@ -136,35 +136,35 @@ def check_heads(fn, name: str, configs, nprocs, with_kv: bool, timeout: float = 
                 out, where = r["out"], f"{name} ({setup}), rank {rank}"
                 if not isinstance(out, torch.Tensor) or out.shape != want.shape:
                     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise ExerciseError(f"{where}: returned {got}, expected the full output {tuple(want.shape)} "
-                                        "on every rank.")
+                    raise wrong(name, f"{where}: returned {got}, not the full (B, S, D) output; every rank "
+                                      "returns the whole output.", f"shape {tuple(want.shape)} on every rank")
                 if _diff(out, want) > TOL:
                     mine = slice(rank * per_rank * (D // n_heads), (rank + 1) * per_rank * (D // n_heads))
                     own = _partial(x.detach(), [w.detach() for w in weights], n_heads, n_kv, mine, n)
                     if _diff(out, own) <= TOL:
-                        raise ExerciseError(f"{where}: the output is this rank's heads' share only: the partial "
-                                            "sums of wo's columns are never added up. End the region with g "
-                                            "(regions.reduce_from_parallel), an all-reduce in forward.")
+                        raise wrong(name, f"{where}: the output is this rank's heads' share only: the partial "
+                                "sums of wo's columns are never added up. End the region with g "
+                                "(regions.reduce_from_parallel), an all-reduce in forward.")
                     grouped = "" if n_kv == n_heads else (
                         " Query head j reads key/value head j // (H/Hkv): rank r holds query heads "
                         "[r·H/n, (r+1)·H/n) and key/value heads [r·Hkv/n, (r+1)·Hkv/n), each repeated "
                         "(repeat_interleave) for the H/Hkv query heads of its group.")
-                    raise ExerciseError(f"{where}: the output differs from one process by {_diff(out, want):.3g}."
-                                        + grouped + " " + hint)
+                    raise wrong(name, f"{where}: the output differs from one process by {_diff(out, want):.3g}."
+                                + grouped + " " + hint)
                 if _diff(r["x_grad"], x.grad) > TOL:
-                    raise ExerciseError(f"{where}: the output is right but dL/dx is not: each rank's backward "
-                                        "gives only its heads' share of x's gradient. Start the region with f "
-                                        "(regions.copy_to_parallel): identity forward, all-reduce backward.")
+                    raise wrong(name, f"{where}: the output is right but dL/dx is not: each rank's backward "
+                                "gives only its heads' share of x's gradient. Start the region with f "
+                                "(regions.copy_to_parallel): identity forward, all-reduce backward.")
                 if _diff(r["out"], r["library"]) > TOL:  # pragma: no cover - the library matches one process
                     raise ExerciseError(f"{where}: differs from minitp.tp.ParallelAttention.")
             for i, wname in enumerate(("wq", "wk", "wv", "wo")):
                 grads = [rr[ci]["w_grads"][i] for rr in results]
                 if any(g is None for g in grads):
-                    raise ExerciseError(f"{name} ({setup}): {wname} got no gradient: use the slices of the "
-                                        "weights you were given (slicing keeps autograd's link to them).")
+                    raise wrong(name, f"{name} ({setup}): {wname} got no gradient: use the slices of the "
+                                "weights you were given (slicing keeps autograd's link to them).")
                 if _diff(sum(grads), weights[i].grad) > TOL:
-                    raise ExerciseError(f"{name} ({setup}): the gradients of {wname}, added over the ranks, "
-                                        f"differ from one process by {_diff(sum(grads), weights[i].grad):.3g}.")
+                    raise wrong(name, f"{name} ({setup}): the gradients of {wname}, added over the ranks, "
+                                f"differ from one process by {_diff(sum(grads), weights[i].grad):.3g}.")
         _check_messages(name, results, configs, n)
     return (f"as one process and minitp.tp.ParallelAttention on {' and '.join(map(str, nprocs))} ranks; "
             "one all-reduce of (B, S, D) forward, one backward")
@@ -189,9 +189,10 @@ def _check_messages(name: str, results, configs, n: int) -> None:
         for when, got in (("forward", forward), ("backward", backward)):
             ops = [(e.op, e.bytes) for e in got]
             if ops != [("all_reduce", activation)]:
-                raise ExerciseError(f"{name}: the values are right, but rank 0's {when} sent {ops or 'nothing'}; "
-                                    f"expected one all-reduce of the (B, S, D) activation, {activation} bytes. "
-                                    "Each head's work stays on its rank: the only messages are f's and g's.")
+                raise wrong(name, f"the values are right, but rank 0's {when} sent {ops or 'nothing'}; "
+                            f"one all-reduce of the (B, S, D) activation goes each way. Each head's work stays "
+                            "on its rank: the only messages are f's and g's.",
+                            f"[('all_reduce', {activation})] in {when}")
         sent = sum(e.sent_bytes for e in events)
         library = sum(e.sent_bytes for e in results.traces[0].comm() if e.within("library", str(ci)))
         if sent != library:  # pragma: no cover - follows from the two all-reduces above

@@ -378,11 +378,12 @@ def explore(run: Callable[..., Any], draw: Callable[[Any, dict], Any], controls:
 def plan_explorer(model: str = "llama3-8b", gpus: int = 64, gpu_memory_gib: float = 80.0,
                   static: dict | None = None) -> Explorer:
     """``minitp.plan.plan`` as a control: pick a model, GPUs, memory per GPU, FSDP or DDP and how
-    activations are kept (replicated norms, sequence parallel with or without gathering the linears' input
-    again in backward, full recomputation: ``minitp.plan.ACTIVATIONS``); the table of layouts (all of them, fitting first) follows. Nothing is
-    launched: a setting is one call of ``plan``. Display it: a live panel in JupyterLab (needs
-    ``ipywidgets``, the course extra); in a stored notebook, a static twin over ``static`` (default:
-    this model, GPUs and memory, both data parallels and the four ways of keeping activations)."""
+    activations are kept (replicated norms, sequence parallel with or without gathering the linears'
+    input again in backward, full recomputation: ``minitp.plan.ACTIVATIONS``); the table of layouts (all
+    of them, fitting first) follows. Nothing is launched: a setting is one call of ``plan``. Display it:
+    a live panel in JupyterLab (needs ``ipywidgets``, the course extra); in a stored notebook, a static
+    twin over ``static`` (default: this model, GPUs and memory, both data parallels and the four ways of
+    keeping activations)."""
     from minitp import plan
     from minitp.models import PRESETS
 
