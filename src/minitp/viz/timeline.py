@@ -28,6 +28,7 @@ from minitp.viz.format import byte_scale, format_bytes  # noqa: F401  (format_by
 from minitp.viz.style import LEGEND_PT, TEXT_PT, label_totals
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
+ACTIVATION_COLOR = "#CC79A7"  # memory_bars' fourth kind, when the entries have "activations"
 COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
 
 
@@ -174,7 +175,8 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     """Stacked bars of bytes held in params, grads and optimizer state, one pair per rank.
 
     memory: a run report (uses its ``memory`` and ``memory_expected``) or a list of
-        {"params", "grads", "optimizer"} dicts, one per rank (or per configuration, with ``names``).
+        {"params", "grads", "optimizer"} dicts, one per rank (or per configuration, with ``names``);
+        with an "activations" entry too (a plan's ``memory``), a fourth kind is stacked on top.
     expected: the same from ``minitp.cost.memory_per_rank``, drawn hatched beside each measured bar.
     limit: a horizontal line (e.g. a GPU's memory) in bytes, named by ``limit_label``.
     """
@@ -185,7 +187,10 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     if expected is not None and len(expected) != len(memory):
         raise ValueError(f"{len(memory)} measured entries but {len(expected)} expected ones")
     names = names or [f"rank {i}" for i in range(len(memory))]
-    totals = [sum(m[k] for k in KIND_COLORS) for m in memory + list(expected or [])]
+    kinds = dict(KIND_COLORS)
+    if any("activations" in m for m in memory):  # a plan's entries: what autograd keeps too
+        kinds["activations"] = ACTIVATION_COLOR
+    totals = [sum(m.get(k, 0) for k in kinds) for m in memory + list(expected or [])]
     unit, scale = byte_scale(max(totals + [limit or 0]))
 
     fig = style.figure(width, 3.0)
@@ -196,8 +201,8 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     for which, entries, shift in pairs:
         for i, m in enumerate(entries):
             bottom = 0.0
-            for kind, color in KIND_COLORS.items():
-                value = m[kind] / scale
+            for kind, color in kinds.items():
+                value = m.get(kind, 0) / scale
                 ax.bar(i + shift, value, bar_w, bottom=bottom, color=color, gid=f"{which}:{i}:{kind}",
                        alpha=1.0 if which == "held" else 0.45, hatch=None if which == "held" else "//",
                        edgecolor="white" if which == "held" else color, linewidth=0.5)
@@ -215,7 +220,7 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     ax.spines[["top", "right"]].set_visible(False)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=c, label=k) for k, c in KIND_COLORS.items()]
+    handles = [Patch(color=c, label=k) for k, c in kinds.items()]
     if expected is not None:  # swatches in a colour the bars have: the first kind's, solid and hatched
         first = next(iter(KIND_COLORS.values()))
         handles += [Patch(facecolor=first, edgecolor="white", label="measured (solid)"),
