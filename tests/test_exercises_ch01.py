@@ -57,7 +57,7 @@ def test_split_right_passes(capsys):
 @pytest.mark.parametrize("fn, message", [
     (split_whole_batch, "whole batch"),
     (split_same_rows, "rank 0's rows"),
-    (split_overlapping, "expected m/n"),
+    (split_overlapping, "an equal share, m/n rows"),
     (split_wrong_rank, "you returned rank 1's rows"),
     (split_strided, "like cards"),
     (split_columns, "slice along dim 0"),
@@ -336,3 +336,8 @@ def test_bytes_refuse_minitps_own_formula():
 
     with pytest.raises(ExerciseError, match="the exercise is to write it"):
         ch01.check_ddp_bytes(cost.ddp_step_bytes)
+
+
+def test_a_wrong_share_of_rows_shows_its_size_from_the_second_try():
+    # the first case: m = 8 rows on 2 ranks
+    _first_then_second(ch01.check_split_batch, split_overlapping, expected="8/2 = 4 rows")

@@ -67,9 +67,9 @@ def check_split_batch(fn, world_sizes: tuple[int, ...] = (2, 4), batch_size: int
                                     f"then computes the same gradient: n = {n} times the work for one rank's worth "
                                     f"of learning. Keep m/n = {size} rows.")
             if got.shape[0] != size:
-                raise ExerciseError(f"{name}: {where}: got {got.shape[0]} rows, expected m/n = {batch_size}/{n} = "
-                                    f"{size}: every rank gets an equal share, so that the mean of the ranks' mean "
-                                    "losses is the mean loss of the whole batch.")
+                raise wrong(name, f"{name}: {where}: got {got.shape[0]} rows: every rank gets an equal share, m/n "
+                                  "rows, so that the mean of the ranks' mean losses is the mean loss of the whole "
+                                  "batch.", f"{batch_size}/{n} = {size} rows")
             want = list(range(rank * size, (rank + 1) * size))
             if rows == want:
                 got_rows.append(rows)

@@ -180,9 +180,9 @@ def check_pipeline_runtime(fn, timeout: float = 30.0) -> None:
             sends = [e for e in msgs if e.op == "send"]
             want_peers = sorted([rank + 1] * (m if rank < n - 1 else 0) + [rank - 1] * (m if rank > 0 else 0))
             if sorted(e.peer for e in sends) != want_peers:
-                raise ExerciseError(f"{where}: sent to ranks {sorted(e.peer for e in sends)}, expected "
-                                    f"{want_peers}: one activation to rank + 1 per F (unless last), one gradient to "
-                                    "rank - 1 per B (unless first), through comm.isend so it is traced.")
+                raise wrong(name, f"{where}: sent to ranks {sorted(e.peer for e in sends)}: one activation to "
+                                  "rank + 1 per F (unless last), one gradient to rank - 1 per B (unless first), "
+                                  "through comm.isend so it is traced.", f"sends to ranks {want_peers}")
             for key, g in r["grads"].items():
                 w = want[key]
                 if g is None or not g.abs().sum():
