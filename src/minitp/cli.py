@@ -7,8 +7,8 @@
     minitp run pp --nproc 4 [--microbatches M] [--schedule gpipe|1f1b] [--steps K] [--json PATH]
     minitp run 3d --dp 2 --tp 2 --pp 2 [--fsdp [--zero Z]] [--save-to DIR] [--resume-from DIR]
     minitp plan --model llama3-8b --gpus 64 --gpu-memory 80      (the layouts that fit; no run)
-        [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100] [--cp C]
-        [--activations llama|llama-regather|gpt3]
+        [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100]
+        [--cp C [--cp-attention ring|ulysses|allgather]] [--activations llama|llama-regather|gpt3]
     minitp plan --model mixtral-8x7b --gpus 64 --gpu-memory 80 --ep 8   (a MoE: experts over ep GPUs)
     minitp calibrate                                              (this machine, for predicted step times)
     minitp train --dp 2 --tp 2 --steps 300 --out runs/a [--resume] [--max-restarts N]   (real text, any layout)
@@ -122,12 +122,13 @@ def _plan(args: argparse.Namespace) -> int:
     recompute = "full" if args.recompute else "selective" if args.selective_recompute else "none"
     options = dict(flash_attention=args.flash_attention, recompute=recompute,
                    sequence_parallel=args.sequence_parallel, device=DEVICES[args.device], cp=args.cp, ep=args.ep,
-                   activations=args.activations)
+                   activations=args.activations, cp_attention=args.cp_attention)
     rows = plan.plan(cfg, args.gpus, args.gpu_memory, args.gpus_per_node, args.batch_size, args.seq_len,
                      "ddp" if args.ddp else "fsdp", args.zero, args.precision, include_unfit=args.all, **options)
     active = f", {active_params(cfg) / 1e9:.2f} B active" if hasattr(cfg, "n_experts") else ""
     title = (f"minitp plan: {args.model} ({cfg.num_params() / 1e9:.2f} B parameters{active}) on {args.gpus} GPUs of "
-             f"{args.gpu_memory:g} GiB" + (f", sequences split over cp = {args.cp}" if args.cp > 1 else "")
+             f"{args.gpu_memory:g} GiB"
+             + (f", sequences split over cp = {args.cp} ({args.cp_attention} attention)" if args.cp > 1 else "")
              + (f", experts split over ep = {args.ep}" if args.ep > 1 else ""))
     if not any(r["fits"] for r in rows):  # say so, and show how far each layout is from fitting
         refused = []
@@ -163,6 +164,9 @@ PLAN_OPTIONS = (
     Option("device", str, "h100", "whose FLOP/s and links time the step", choices=("h100", "a100")),
     Option("cp", int, 1, "context parallel: each sequence split over cp GPUs (ring attention); "
            "the layouts are those of gpus/cp", low=1),
+    Option("cp_attention", str, "ring", "how attention crosses the cp GPUs: ring (keys and values passed round), "
+           "ulysses (all-to-alls of the heads) or allgather (every GPU gathers all keys and values)",
+           choices=("ring", "ulysses", "allgather")),
     Option("ep", int, 1, "expert parallel (a MoE model, e.g. mixtral-8x7b): its experts split over ep of the "
            "data-parallel GPUs; ep divides n_experts and dp·cp", low=1),
     Option("flash_attention", bool, True, "count the stored attention scores", negate=True),
@@ -209,7 +213,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc {args.nproc} but dp x tp x pp x cp = {args.dp} x {args.tp} x {args.pp} x {args.cp} "
                          f"= {world} processes: give the layout's product, or --layout auto --nproc {args.nproc}")
     s = trainer.Settings(
-        model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+        model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, cp_attention=args.attention,
         data_parallel="fsdp" if args.fsdp else "ddp", zero=args.zero, schedule=args.schedule,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup=args.warmup if args.warmup is not None else min(30, args.steps // 10), clip=args.clip,
@@ -255,6 +259,9 @@ def _train_options():
             ("dp", "data-parallel replicas"), ("tp", "tensor-parallel ranks"), ("pp", "pipeline stages"),
             ("cp", "context-parallel ranks per replica (ring attention)"),
             ("ep", "expert-parallel ranks (--model byte-moe)"))),
+        Option("attention", str, "ring", "with --cp > 1, ring: keys and values passed round; ulysses: all-to-alls of "
+               "the heads; allgather: every rank gathers all keys and values",
+               choices=("ring", "ulysses", "allgather")),
         Option("layout", str, None, "auto: the planner picks dp, tp and pp for --nproc processes", choices=("auto",)),
         Option("nproc", int, None, "processes: dp x tp x pp x cp, or what --layout auto splits (default 2)", low=1,
                optional=True),

@@ -50,7 +50,9 @@ class Parallel3D:
     A dimension of size 1 is left out (no wrapper, no message).
 
     mesh.cp: context parallel inside each replica (the mesh's dp axis holds dp·cp ranks): each
-        attention a ring over the cp group, RoPE at the rank's positions (``cp.Context``).
+        attention a ring over the cp group, RoPE at the rank's positions (``cp.Context``);
+        ``cp_attention``: "ring", "ulysses" (all-to-alls of the tp rank's heads) or "allgather"
+        (every rank gathers the keys and values of the whole sequence).
     schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP only.
     mesh.ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp
     ranks shares one set of experts (``Mesh.ep_group``); ``ep.ExpertParallel`` then averages the
@@ -69,7 +71,7 @@ class Parallel3D:
 
     def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
-                 device: torch.device | str | None = None, virtual_stages: int = 1):
+                 device: torch.device | str | None = None, virtual_stages: int = 1, cp_attention: str = "ring"):
         check_composition(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep, data_parallel, schedule,
                           virtual_stages)
         self.zero = check_zero(data_parallel, zero, mesh.pp)
@@ -83,9 +85,10 @@ class Parallel3D:
         if mesh.tp > 1:
             _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
             self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
-        # context parallel: the mesh's dp axis holds dp·cp ranks; every attention runs the ring over
-        # mesh.cp_group, and RoPE rotates this rank's (B/dp, S/cp) tokens by their positions
-        self.context = _cp.Context(mesh.cp_group) if mesh.cp > 1 else None
+        # context parallel: the mesh's dp axis holds dp·cp ranks; every attention runs the ring (or
+        # Ulysses' all-to-alls, or the all-gathers) over mesh.cp_group, and RoPE rotates this rank's
+        # (B/dp, S/cp) tokens by their positions
+        self.context = _cp.Context(mesh.cp_group, attention=cp_attention) if mesh.cp > 1 else None
         moe = isinstance(model.config, MoEConfig)
         if mesh.ep > 1 and not moe:
             raise ValueError(f"ep={mesh.ep} needs a MoE model (minitp.models.moe), got {type(model.config).__name__}")

@@ -32,6 +32,7 @@ import math
 from dataclasses import asdict, replace
 
 from minitp import cost
+from minitp.cost.context import check_cp_attention, check_ulysses_heads, cp_attention_activation_bytes_per_rank
 from minitp.grid import check_3d_layout, check_zero, layouts  # noqa: F401  (plan.layouts: every layout)
 from minitp.layout import check_divisible, check_positive
 from minitp.models import ModelConfig
@@ -44,7 +45,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
                 micro_batch: int = 1, flash_attention: bool = True, recompute=False,
                 sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1,
-                activations: str = "llama") -> dict:
+                activations: str = "llama", cp_attention: str = "ring") -> dict:
     """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one layout,
     from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or True / "full".
     activations: how a dense block's activations are counted (``cost.activation_bytes_per_rank``'s
@@ -53,6 +54,13 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     in the bytes or the time); "gpt3", Korthikanti et al.'s count for GPT-3's block.
     cp: context parallel, each sequence split over cp GPUs (ring attention; dp·cp·pp·tp GPUs in all):
     activations of S/cp positions, the ring's key/value bytes, states sharded over dp·cp by ZeRO.
+    cp_attention: how attention crosses the cp group: "ring" (the default), "ulysses" (all-to-alls of
+    the heads: cp must divide each tp rank's heads and key/value heads, else the layout is refused) or
+    "allgather" (LLaMA 3's: every rank gathers the whole sequence's keys and values). Each way's bytes
+    (``cost.cp_mesh_step_bytes(attention=)``), time (``cost.step_time(cp_attention=)``: only the
+    ring's hide behind attention) and what its attention keeps beyond a block of S/cp positions
+    (``cost.context.cp_attention_activation_bytes_per_rank``: the all-gather the whole sequence's
+    keys and values, Ulysses its kernel's output at all S positions; nothing more under full recomputation).
 
     A MoE model (``MoEConfig``) has an "ep" entry in ``bytes_per_step``; ep: its experts split over ep
     of the dp·cp ranks that hold the same dense weights (ep divides dp·cp, and n_experts; dp·cp·pp·tp
@@ -73,8 +81,11 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     Raises ``ValueError`` for a layout the model or the batch cannot take."""
     check_3d_layout(cfg, dp, pp, tp)
     check_positive("cp", cp)
+    check_cp_attention(cp_attention)
     if cp > 1:  # zig-zag chunks: 2·cp pieces of the sequence, two per rank
         check_divisible("seq_len", seq_len, "2·cp", 2 * cp)
+        if cp_attention == "ulysses":
+            check_ulysses_heads(cfg, cp, tp)
     moe = cost.check_ep(cfg, ep)
     if moe:
         check_divisible("expert_hidden", cfg.expert_hidden, "tp", tp)
@@ -98,22 +109,28 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
                 recompute, sequence_parallel)
         kept_activations = (cost.moe_activation_bytes_per_rank(*args) if moe
                             else cost.activation_bytes_per_rank(*args, formula=activations))
+        # what the way of attending keeps beyond a block of S/cp positions (0 for the ring)
+        kept_activations += cp_attention_activation_bytes_per_rank(
+            cfg, batch_size // dp // microbatches, seq_len, cp, tp, pp, s, microbatches, cp_attention, b,
+            flash_attention, recompute, sequence_parallel, "moe" if moe else activations)
         kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b, grad_bytes=b,
                     sequence_parallel=sequence_parallel, recompute=recompute)
         if moe:
             sent = cost.ep_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, ep, **kept)
         else:
-            sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, **kept)
+            sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, **kept,
+                                           attention=cp_attention)
         stages.append((states, kept_activations, sent))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
     states, kept_activations = stages[worst][0], stages[worst][1]
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
-                          precision, sequence_parallel, recompute, cp=cp, ep=ep)
+                          precision, sequence_parallel, recompute, cp=cp, ep=ep, cp_attention=cp_attention)
     dims = ("tp", "pp", "dp", "cp") + (("ep",) if moe else ())
     return {
-        "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "data_parallel": data_parallel, "zero": zero,
+        "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "cp_attention": cp_attention,
+        "data_parallel": data_parallel, "zero": zero,
         "precision": precision,
         "sequence_parallel": sequence_parallel, "recompute": recompute,
         "microbatches": microbatches, "worst_stage": worst,
@@ -131,7 +148,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
          seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
          precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
          include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100,
-         cp: int = 1, ep: int = 1, refused: list | None = None, activations: str = "llama") -> list[dict]:
+         cp: int = 1, ep: int = 1, refused: list | None = None, activations: str = "llama",
+         cp_attention: str = "ring") -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
@@ -139,7 +157,9 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
     ``minitp.cost.activation_bytes_per_rank``; activations: how a block's are counted (``plan_layout``);
     device: whose FLOP/s and links time the step;
-    cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``).
+    cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``);
+    cp_attention: its way of attending, "ring", "ulysses" or "allgather" (``plan_layout``; Ulysses
+    refuses the layouts whose tp leaves a number of heads cp does not divide).
     ep: expert parallel degree of a MoE model, fixed: the layouts whose dp·cp it divides.
     refused: a list to which each layout the model or batch cannot take is appended, as (dp, pp, tp,
     why) (``why_no_layout`` says it in one line when none is left).
@@ -152,6 +172,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
         raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
     check_positive("cp", cp)
     check_divisible("gpus", gpus, "cp", cp)
+    check_cp_attention(cp_attention)
     if cost.check_ep(cfg, ep):
         check_divisible("gpus", gpus, "ep", ep, ": the experts are split over ep of the data-parallel GPUs")
     batch_size = batch_size or gpus // cp
@@ -163,7 +184,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     for dp, pp, tp in candidate_layouts(gpus // cp, gpus_per_node):
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
-                              flash_attention, recompute, sequence_parallel, device, cp, ep, activations)
+                              flash_attention, recompute, sequence_parallel, device, cp, ep, activations,
+                              cp_attention)
         except ValueError as e:
             if refused is not None:
                 refused.append((dp, pp, tp, str(e)))
@@ -229,21 +251,23 @@ ACTIVATION_NOTES = {  # format_plan's footer, by plan's ``activations``
 
 
 def format_plan(rows: list[dict], title: str = "") -> str:
-    """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column and
-    the ring's bytes when the layouts split sequences; an ep column and the all-to-alls' bytes when
-    they split experts)."""
+    """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column, the
+    way attention crosses it (ring, ulysses or allgather) and its bytes when the layouts split sequences;
+    an ep column and the all-to-alls' bytes when they split experts)."""
     lines = [title] if title else []
     if not rows:
         return "\n".join(lines + ["no layout of these GPUs is possible for this model and batch"])
     cp = any(r.get("cp", 1) > 1 for r in rows)
     ep = any(r.get("ep", 1) > 1 for r in rows)
-    lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} " + (f"{'cp':>3} " if cp else "") + (f"{'ep':>3} " if ep else "")
+    lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} " + (f"{'cp':>3} {'attention':>9} " if cp else "")
+                 + (f"{'ep':>3} " if ep else "")
                  + f"{'zero':>4}  {'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}  {'tp MiB/step':>11} "
                  f"{'pp MiB/step':>11} {'dp MiB/step':>11}  " + (f"{'cp MiB/step':>11}  " if cp else "")
                  + (f"{'ep MiB/step':>11}  " if ep else "") + f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
     for r in rows:
         b = r["bytes_per_step"]
-        lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} " + (f"{r['cp']:>3} " if cp else "")
+        lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} "
+                     + (f"{r['cp']:>3} {r.get('cp_attention', 'ring'):>9} " if cp else "")
                      + (f"{r.get('ep', 1):>3} " if ep else "")
                      + f"{r['zero'] if r['zero'] is not None else '-':>4}  "
                      f"{r['memory_states'] / GIB:>10.2f} {r['memory']['activations'] / GIB:>10.2f} "
@@ -260,17 +284,18 @@ def format_plan(rows: list[dict], title: str = "") -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The same layouts as a Markdown table (a cp column when the layouts split sequences, an ep column
-    when they split experts)."""
+    """The same layouts as a Markdown table (cp and its way of attending when the layouts split
+    sequences, an ep column when they split experts)."""
     cp = any(r.get("cp", 1) > 1 for r in rows)
     ep = any(r.get("ep", 1) > 1 for r in rows)
-    head = ("| dp | pp | tp | " + ("cp | " if cp else "") + ("ep | " if ep else "") + "ZeRO | states GiB "
-            "| activations GiB | total GiB | tp MiB/step | pp MiB/step | dp MiB/step | "
+    head = ("| dp | pp | tp | " + ("cp | cp attention | " if cp else "") + ("ep | " if ep else "")
+            + "ZeRO | states GiB | activations GiB | total GiB | tp MiB/step | pp MiB/step | dp MiB/step | "
             + ("cp MiB/step | " if cp else "") + ("ep MiB/step | " if ep else "") + "bubble | step s | MFU | fits |")
-    lines = [head, "|" + "---:|" * (13 + 2 * cp + 2 * ep) + ":---:|"]
+    lines = [head, "|" + "---:|" * 3 + ("---:|:---|" if cp else "") + "---:|" * (10 + cp + 2 * ep) + ":---:|"]
     for r in rows:
         b = r["bytes_per_step"]
-        lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | " + (f"{r['cp']} | " if cp else "")
+        lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | "
+                     + (f"{r['cp']} | {r.get('cp_attention', 'ring')} | " if cp else "")
                      + (f"{r.get('ep', 1)} | " if ep else "")
                      + f"{r['zero'] if r['zero'] is not None else '-'} | "
                      f"{r['memory_states'] / GIB:.2f} | {r['memory']['activations'] / GIB:.2f} | "

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from minitp import checkpoint, comm
 from minitp import trace as _trace
+from minitp.cost.context import check_cp_attention, check_ulysses_heads
 from minitp.data import Sampler, check_seq_len, load_corpus
 from minitp.grid import check_3d_layout, check_composition, check_zero
 from minitp.mesh import Mesh
@@ -64,6 +65,7 @@ class Settings:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    cp_attention: str = "ring"  # with cp > 1: "ring", "ulysses" or "allgather" (minitp.cp.Context)
     data_parallel: str = "ddp"  # or "fsdp"
     zero: int | None = None
     schedule: str = "1f1b"
@@ -116,6 +118,9 @@ class Settings:
                           self.virtual_stages)
         check_3d_layout(self.config, self.dp * self.cp, self.pp, self.tp)
         check_zero(self.data_parallel, self.zero, self.pp)
+        check_cp_attention(self.cp_attention)
+        if self.cp > 1 and self.cp_attention == "ulysses":
+            check_ulysses_heads(self.config, self.cp, self.tp)
 
     @property
     def virtual_stages(self) -> int:
@@ -235,7 +240,7 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
     cfg = s.config
     mesh = Mesh(s.dp * s.cp, s.pp, s.tp, cp=s.cp, ep=s.ep)
     par = Parallel3D(build(cfg, s.seed), mesh, s.data_parallel, s.zero, s.microbatches, s.schedule, lr=s.lr,
-                     virtual_stages=s.virtual_stages)
+                     virtual_stages=s.virtual_stages, cp_attention=s.cp_attention)
     corpus = load_corpus(max_files=s.max_files)
     train, val = Sampler(corpus.train, s.batch_size, s.seq_len, s.seed), Sampler(corpus.val, s.batch_size, s.seq_len)
     folder = os.path.join(s.out, "checkpoint") if s.out else None

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from minitp.cost.activations import recompute_mode
-from minitp.cost.context import cp_mesh_step_bytes
+from minitp.cost.context import check_cp_attention, cp_mesh_step_bytes
 from minitp.cost.experts import active_params, check_ep, ep_mesh_step_bytes
 from minitp.cost.strategies import collective_sent_bytes
 from minitp.cost.threed import rank_num_blocks
@@ -289,8 +289,9 @@ class StepTime:
     step_s: float  # compute + bubble + tp + pp + exposed dp + exposed cp
     model_flops: float  # per step, whole model, no recomputation
     mfu: float  # model_flops / (step_s · gpus · peak)
-    cp_s: float = 0.0  # context parallel's ring: keys and values (and their gradients) passed on
-    cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute
+    cp_s: float = 0.0  # context parallel's ring: keys and values (and their gradients) passed on (or
+    # Ulysses' all-to-alls, or the all-gathers and reduce-scatters: ``step_time(cp_attention=)``)
+    cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute (the ring's only)
     ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch, combine and their gradients): never hidden
     ops_s: float = 0.0  # the small operations cp and ep add (``strategy_ops``), at op_s each; inside compute_s
 
@@ -299,7 +300,7 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
               microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
               sequence_parallel: bool = False, recompute="none", overlap: bool = True,
               buckets: int | None = None, cp: int = 1, virtual_stages: int = 1, ep: int = 1,
-              balanced: bool = True) -> StepTime:
+              balanced: bool = True, cp_attention: str = "ring") -> StepTime:
     """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
@@ -322,6 +323,15 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     parallel move activations of S/cp positions; the gradients are averaged over the dp·cp ranks
     that hold the same weights; the ring's keys and values hide behind the attention compute
     they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
+    cp_attention: how attention crosses the cp group (``minitp.cost.context.CP_ATTENTIONS``). "ring"
+    as above. "ulysses": four all-to-alls forward and four backward per block, each of c-1 message
+    steps, counted whole: the heads' attention waits for the first three, the output projection for the
+    last. "allgather": the keys' and values' all-gathers forward and their gradients' reduce-scatters
+    backward (c-1 steps each), counted whole too: attention waits for the whole sequence's keys. A
+    kernel could gather the next layer's keys and values behind this layer's compute (they depend only
+    on that layer's input); this model does not assume it, so the all-gather's figure is an upper
+    bound. The small operations (``strategy_ops``) are the ring's, measured; the other ways' are not
+    counted.
 
     virtual_stages: interleaved 1F1B's v chunks per rank: the bubble shrinks to compute·(p-1)/(v·m),
     and each micro-batch crosses v times as many boundaries (v times the pipeline's sends).
@@ -339,6 +349,7 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     """
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
+    ring = check_cp_attention(cp_attention) == "ring"
     gpus, m = dp * cp * pp * tp, microbatches if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     tokens = batch * seq
@@ -349,7 +360,8 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward, the step's
     # optimizer once, and each small operation the strategy adds
     shared = _shared_cores(device, gpus)
-    ops_s = m * strategy_ops(cfg, seq, cp, ep, balanced) * device.op_s / pp * shared if device.op_s else 0.0
+    ops = strategy_ops(cfg, seq, cp if ring else 1, ep, balanced)
+    ops_s = m * ops * device.op_s / pp * shared if device.op_s else 0.0
     compute += (device.microbatch_overhead_s * m + device.overhead_s) / pp * shared + ops_s
     v = virtual_stages if pp > 1 else 1
     check_positive("virtual_stages", v)
@@ -365,9 +377,10 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
         if moe:  # the all-to-alls, and the expert gradients over their dp·cp/ep copies
             sent = ep_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, ep, **kept)
         else:
-            sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept), "ep": 0.0}
+            sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept, attention=cp_attention),
+                    "ep": 0.0}
         blocks = rank_num_blocks(cfg.n_layers, pp, stage, v)
-        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v)
+        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v, cp_attention)
         for dim in worst:
             link = links[dim]
             worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
@@ -380,7 +393,7 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     else:
         window = compute * 2 / 3 / m
     dp_exposed = max(0.0, worst["dp"] - window)
-    cp_exposed = max(0.0, worst["cp"] - (attention if overlap else 0.0))
+    cp_exposed = max(0.0, worst["cp"] - (attention if overlap and ring else 0.0))
     step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed + worst["ep"]
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
     return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu,
@@ -388,18 +401,21 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
-                dp_bytes: float, buckets: int | None, virtual_stages: int = 1) -> dict[str, float]:
+                dp_bytes: float, buckets: int | None, virtual_stages: int = 1,
+                cp_attention: str = "ring") -> dict[str, float]:
     """Message steps on the critical path per step, each costing α: an all-reduce over n ranks takes
     2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send 1.
     tp: per micro-batch 4 per block (6 with full recomputation), plus the embedding, output and loss's 3;
     pp: m sends forward, m backward (v times that, interleaved); dp: DDP's buckets, or FSDP's gathers
     and reduce-scatters per unit;
-    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward;
+    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward (the ring); Ulysses' eight
+    all-to-alls, or the all-gather's two all-gathers and two reduce-scatters (keys and values), c-1 each;
     ep: per micro-batch and MoE layer, four all-to-alls (dispatch, combine, their gradients) of e-1 steps each."""
     tp, pp, dp, cp, ep = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
     out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
-           "cp": m * blocks * (3 * cp - 2) if cp > 1 else 0, "ep": m * blocks * 4 * (ep - 1)}
+           "cp": m * blocks * {"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1), "allgather": 4 * (cp - 1)}[cp_attention]
+           if cp > 1 else 0, "ep": m * blocks * 4 * (ep - 1)}
     if dp > 1:
         units = blocks + 1
         if data_parallel == "ddp":

@@ -10,6 +10,7 @@ import torch
 
 from minitp import checkpoint, cost, grid, layout
 from minitp import trace as _trace
+from minitp.cost.context import check_ulysses_heads
 from minitp.cost.experts import idle_experts
 from minitp.ep import full_state as ep_full_state
 from minitp.launcher import launch
@@ -84,7 +85,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
            model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
            backend: str = "gloo", timeout: float = 300.0, resume_from: str | None = None,
            save_to: str | None = None, cp: int = 1, ep: int = 1, experts: int = 8,
-           virtual_stages: int | None = None) -> Report:
+           virtual_stages: int | None = None, attention: str = "ring") -> Report:
     """Train with ``minitp.parallel3d.Parallel3D`` on a dp × pp × tp mesh and report it against the
     three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
 
@@ -96,6 +97,9 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     cp: context parallel inside each replica (``minitp.cp``): the mesh's dp dimension holds dp·cp
         ranks, each replica's rows split over cp along the sequence, the model state averaged (DDP) or
         sharded (FSDP) over all dp·cp of them.
+    attention: how attention crosses the cp group when cp > 1: "ring", "ulysses" (all-to-alls of each
+        tp rank's heads: cp divides n_heads/tp and n_kv_heads/tp) or "allgather"; its bytes are checked
+        against ``cost.cp3d_step_bytes(attention=)``.
     schedule: "gpipe", "1f1b", "zb", or "interleaved" with ``virtual_stages`` chunks per rank
         (default 2; DDP only).
     ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per block,
@@ -115,6 +119,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     layout.check_batch(batch_size, dp)
     if cp > 1:
         layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
+        if attention == "ulysses":  # each tp rank's heads split over cp
+            check_ulysses_heads(cfg, cp, tp)
     data_parallel = "fsdp" if fsdp else "ddp"
     v = virtual_stages or (2 if schedule == "interleaved" else 1)
     grid.check_composition(dp, pp, tp, cp, ep, data_parallel, schedule, v)
@@ -141,6 +147,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     if not start_step < steps:
         raise ValueError(f"the checkpoint is at step {start_step}, nothing left to train up to steps={steps}")
     options = dict(data_parallel=data_parallel, zero=zero, microbatches=microbatches, schedule=schedule)
+    if cp > 1:
+        options["cp_attention"] = attention
     if v > 1:
         options["virtual_stages"] = v
     if moe is not None:
@@ -158,7 +166,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         if cp > 1:  # d: the rank's place among the dp·cp ranks that average its gradients
             by_dim.append(cost.cp3d_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, d, steps=ran, start_up=True,
                                                pp=pp, stage=s, virtual_stages=v, data_parallel=data_parallel,
-                                               zero=zero or 3, state_dict=True))
+                                               zero=zero or 3, state_dict=True, attention=attention))
             continue
         by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
                                              zero or 3, steps=ran, start_up=True, state_dict=True, virtual_stages=v))
@@ -183,7 +191,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         data_parallel=data_parallel, zero=zero, microbatches=microbatches if pp > 1 else None,
         schedule=schedule if pp > 1 else None, virtual_stages=v if pp > 1 else None,
         end_step=steps, coords=[r["coords"] for r in results],
-        comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to)
+        comm_bytes_traced_per_step_by_dim=per_step_by_dim, resumed_from=resume_from, saved_to=save_to,
+        **({"attention": attention} if cp > 1 else {}))
 
 
 def _ep_report(cfg: MoEConfig, dp: int, ep: int, pp: int, results, model: str, train: TrainConfig,
@@ -244,6 +253,8 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("pp", int, 2, "pipeline stages", low=1),
     Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring",
            low=1),
+    Option("attention", str, "ring", "with cp > 1, ring: keys and values passed round; ulysses: all-to-alls of "
+           "the heads; allgather: every rank gathers all keys and values", choices=("ring", "ulysses", "allgather")),
     Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
            "(tp=1, DDP)", low=1),
     Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1, high=MAX_EXPERTS),
