@@ -401,8 +401,9 @@ def test_chapter_10_quotes_the_readmes_calibration_figures():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     said = re.search(r"medians were DDP (\S+) ms against (\d+) predicted,\s+tensor parallel (\S+) against (\d+), "
                      r"FSDP (\S+) against (\d+) and the pipeline (\S+) against (\d+)", readme)
-    chapter = re.search(r"predicted DDP (\d+) ms against (\S+) measured(?: over several runs)?,\s+tensor parallel (\d+)\s+"
-                        r"against (\S+), FSDP (\d+) against (\S+), the pipeline (\d+) against (\S+?) \(",
+    chapter = re.search(r"predicted DDP (\d+) ms against (\S+) measured(?: over several runs)?,\s+"
+                        r"tensor parallel (\d+)\s+against (\S+), FSDP (\d+) against (\S+), "
+                        r"the pipeline (\d+) against (\S+?) \(",
                         _chapter_text("10_planning"))
     assert said and chapter
     measured_predicted = said.groups()
