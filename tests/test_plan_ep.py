@@ -80,7 +80,7 @@ def test_step_time_counts_active_flops_and_the_all_to_all_on_the_link_it_spans()
     assert inside["time"]["model_flops"] == tokens * (6 * (DENSE + L * K * EXPERT) + 12 * L * D * 4096)
     assert inside["mfu"] == pytest.approx(inside["time"]["model_flops"] / (inside["step_s"] * 8 * 989e12))
     sent = L * 4 * K * 4096 * 7 / 8 * D * 2
-    steps = L * 4 * 7  # four all-to-alls per layer, each 7 message steps
+    steps = L * 5 * 7  # five all-to-alls per layer (the counts, then four of rows), each 7 message steps
     assert inside["time"]["ep_s"] == pytest.approx(steps * 5e-6 + sent / 450e9)  # NVLink
     across = plan.plan_layout(M, 8, 1, 2, 8, 4096, ep=8)  # ep·tp = 16 GPUs: two machines
     assert across["time"]["ep_s"] == pytest.approx(steps * 10e-6 + sent / 50e9)  # InfiniBand

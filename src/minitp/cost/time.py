@@ -410,12 +410,13 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
     and reduce-scatters per unit;
     cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward (the ring); Ulysses' eight
     all-to-alls, or the all-gather's two all-gathers and two reduce-scatters (keys and values), c-1 each;
-    ep: per micro-batch and MoE layer, four all-to-alls (dispatch, combine, their gradients) of e-1 steps each."""
+    ep: per micro-batch and MoE layer, five all-to-alls of e-1 steps each: the dispatch's counts, then its
+    rows, the combine, and the two gradients (the counts have none)."""
     tp, pp, dp, cp, ep = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
     out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
            "cp": m * blocks * {"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1), "allgather": 4 * (cp - 1)}[cp_attention]
-           if cp > 1 else 0, "ep": m * blocks * 4 * (ep - 1)}
+           if cp > 1 else 0, "ep": m * blocks * 5 * (ep - 1)}
     if dp > 1:
         units = blocks + 1
         if data_parallel == "ddp":
