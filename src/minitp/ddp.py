@@ -15,10 +15,9 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
 * At the end of backward (an autograd callback) the remaining buckets are launched and all are
   waited for. Each ``param.grad`` is a **view into its bucket** (PyTorch's
   ``gradient_as_bucket_view``), so the averaged values are already where the optimizer reads them:
-  nothing is copied back and no gradient is allocated per step. If the optimizer keeps the
-  gradients (``zero_grad(set_to_none=False)``), backward even accumulates straight into the bucket
-  and the launch copies nothing; if it sets them to None, autograd hands a fresh gradient that is
-  copied into the bucket once, and ``param.grad`` becomes the view again.
+  nothing is copied back. The hook divides each gradient by n as it enters the bucket, in one pass,
+  while it is fresh in the cache (in place if the optimizer kept the gradients and backward
+  accumulated straight into the view).
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
   accumulation); the first backward outside it all-reduces the accumulated sum, or
   ``finish_gradients()`` does it at once (the data-parallel protocol, ``minitp.replicas``).
@@ -51,9 +50,8 @@ class Bucket:
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor  # flat: the gradients of ``params`` side by side
-    offsets: list[int]
     views: list[torch.Tensor]  # each parameter's slice of ``buffer``, shaped like the parameter
-    ready: int = 0
+    arrived: set[int] = field(default_factory=set)  # positions of the params whose hook ran this pass
     handle: comm.Handle | None = field(default=None, repr=False)
     unused_here: list[int] = field(default_factory=list)  # positions of the params this rank did not use
 
@@ -97,11 +95,10 @@ class DistributedDataParallel(GradientSync, nn.Module):
         self.buckets: list[Bucket] = []
         for i, group_params in enumerate(make_buckets(params[::-1], self.bucket_bytes)):
             sizes = [p.numel() for p in group_params]
-            offsets = [sum(sizes[:j]) for j in range(len(sizes))]
             buffer = torch.zeros(sum(sizes), dtype=group_params[0].dtype, device=group_params[0].device)
-            views = [buffer[o:o + p.numel()].view_as(p) for p, o in zip(group_params, offsets)]
-            self.buckets.append(Bucket(i, group_params, buffer, offsets, views))
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+            views = [v.view_as(p) for v, p in zip(buffer.split(sizes), group_params)]  # side by side
+            self.buckets.append(Bucket(i, group_params, buffer, views))
+        self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._zero, self._share = torch.zeros((), dtype=params[0].dtype), 1.0 / self.world_size
         self._next_bucket = 0  # the next bucket to launch, so they go out in order
         for p in params:
@@ -127,26 +124,32 @@ class DistributedDataParallel(GradientSync, nn.Module):
         if not self.sync:
             return
         self.queue_finish()  # finish_gradients, once, when this whole backward pass is over
-        bucket = self._bucket_of[param]
-        bucket.ready += 1
+        bucket, i = self._slot_of[param]
+        self._into_bucket(param, bucket.views[i])  # now, while the gradient is fresh in the cache
+        bucket.arrived.add(i)
         while self._next_bucket < len(self.buckets):
             nxt = self.buckets[self._next_bucket]
-            if nxt.ready < len(nxt.params):
+            if len(nxt.arrived) < len(nxt.params):
                 break
             self._launch(nxt)
 
     @torch.no_grad()
+    def _into_bucket(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        """view = 0.0 + grad/n: this rank's share of the average, never -0.0 (see the top)."""
+        torch.add(self._zero, param.grad, alpha=self._share, out=view)
+        param.grad = view  # from now on backward accumulates in the bucket itself
+
+    @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        # average = sum of (grad / n); each gradient is divided as it goes into the bucket, one pass:
-        # view = 0.0 + grad/n, the 0.0 making a used parameter's share never -0.0 (see the top)
         bucket.unused_here = []
         for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+            if i in bucket.arrived:
+                continue
             if p.grad is None:  # took no part in this forward: -0.0 says so
                 bucket.unused_here.append(i)
                 view.fill_(-0.0)
-            else:  # a fresh gradient from autograd, or (kept by the optimizer) the view itself
-                torch.add(self._zero, p.grad, alpha=self._share, out=view)
-                p.grad = view  # from now on backward accumulates in the bucket itself
+            else:  # a gradient kept from before that no hook saw this pass
+                self._into_bucket(p, view)
         with _trace.tagged(phase="backward"):  # the gradients' all-reduce, whenever it is launched
             bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
                                             label=f"ddp/bucket{bucket.index}", async_op=True)
@@ -163,7 +166,8 @@ class DistributedDataParallel(GradientSync, nn.Module):
             for i in bucket.unused_here:  # a parameter used here is used: only these can be unused by all
                 p, averaged = bucket.params[i], bucket.views[i]
                 p.grad = None if used_by_no_rank(averaged) else averaged  # (used elsewhere: the average)
-            bucket.ready, bucket.handle = 0, None
+            bucket.handle = None
+            bucket.arrived.clear()
         self._next_bucket = 0
 
 
