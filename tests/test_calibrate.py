@@ -53,13 +53,21 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     monkeypatch.setattr(calibrate, "tiny_step_s", lambda microbatches, *a, **k: RECORDED_STEPS)
     monkeypatch.setattr(calibrate, "count_ops", lambda *a, **k: RECORDED_OPS)
     monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(minitp.launcher, "launch", lambda fn, n, *a, **k: RECORDED if n == 2 else RECORDED_4)
+    busy = {1: [8.0e-3], 2: [10.2e-3, 10.6e-3]}  # the tiny step alone, then on both cores at once
+
+    def recorded(fn, n, *a, **k):
+        if fn is calibrate._busy_step_worker:
+            return busy[n]
+        return RECORDED if n == 2 else RECORDED_4
+
+    monkeypatch.setattr(minitp.launcher, "launch", recorded)
     cal = calibrate.calibrate(repeats=3, sizes=(4, 2**16, 2**20))
     means = {b: max(r["all_reduce"][b][0] for r in RECORDED) for b in (4, 2**16, 2**20)}
     assert (cal["alpha_s"], cal["bytes_per_s"]) == calibrate.fit_alpha_beta(means, 2)  # the slower rank's mean
     shared = {b: max(r["all_reduce"][b][0] for r in RECORDED_4) for b in (4, 2**16, 2**20)}
     assert (cal["alpha_shared_s"], cal["bytes_per_s_shared"]) == calibrate.fit_alpha_beta(shared, 4)
     assert cal["shared_slowdown"] == pytest.approx(0.0468 / 0.0230)  # mean burst on 4 ranks over on 2
+    assert cal["busy_slowdown"] == pytest.approx(10.4e-3 / 8.0e-3)  # both cores stepping against one alone
     flops_s = 8 * 16 * cost.training_flops_per_token(TINY, 16) / 9.0e10
     assert {k: cal[k] for k in ("step_overhead_s", "microbatch_overhead_s", "op_s", "microbatch_ops")} == \
         calibrate.fit_fixed_costs(8.5e-3, 34.1e-3, 8, flops_s, RECORDED_OPS)
@@ -73,6 +81,7 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert device.microbatch_overhead_s == cal["microbatch_overhead_s"] and device.op_s == cal["op_s"]
     assert device.shared_link.alpha_s == cal["alpha_shared_s"] and device.shared_slowdown == cal["shared_slowdown"]
     assert "per micro-batch" in calibrate.format_calibration(cal) and "at 4 ranks" in calibrate.format_calibration(cal)
+    assert device.busy_slowdown == cal["busy_slowdown"] and "a step 1.30x slower" in calibrate.format_calibration(cal)
 
 
 def test_the_all_reduce_measurement_runs_on_two_ranks_and_reports_every_size():
@@ -81,6 +90,14 @@ def test_the_all_reduce_measurement_runs_on_two_ranks_and_reports_every_size():
     for r in results:  # what it measured, not how fast: no test depends on the machine's speed
         assert set(r["all_reduce"]) == {4, 2**12} and all(m >= f > 0 for m, f in r["all_reduce"].values())
         assert r["compute_s"] > 0
+
+
+def test_the_busy_step_measurement_runs_on_every_rank_at_once_and_is_never_below_one_alone():
+    from minitp.launcher import launch
+    together = launch(calibrate._busy_step_worker, 2, 2, echo=False, timeout=120)
+    assert len(together) == 2 and all(t > 0 for t in together)  # a time per rank, whatever the machine
+    assert calibrate.busy_slowdown(8e-3, [10e-3, 12e-3]) == pytest.approx(11 / 8)
+    assert calibrate.busy_slowdown(8e-3, [7e-3, 7.5e-3]) == 1.0  # a crowd faster than one alone is noise
 
 
 def test_the_operations_of_the_tiny_models_forward_and_backward_are_counted_alike_each_time():

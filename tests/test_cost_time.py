@@ -496,3 +496,21 @@ def test_ranks_beyond_the_cores_slow_compute_and_messages_as_calibrate_measured_
                            precision="fp32")
     assert t.compute_s == pytest.approx(1.8 * alone.compute_s)
     assert t.dp_s == pytest.approx(cost.collective_time("all_reduce", 4 * TINY.num_params(), 4, SHARED))
+
+
+def test_a_rank_on_every_core_runs_as_much_slower_as_calibrate_measured_it_busy():
+    import dataclasses
+
+    from minitp.cost.time import _shared_cores
+
+    busy = dataclasses.replace(CPU, cores=4, busy_slowdown=1.3, shared_slowdown=1.8)
+    # 1 alone, the line up to 1.3 at a rank per core, then 1.3 times the sharing of the cores beyond
+    assert [_shared_cores(busy, r) for r in (1, 2, 3, 4, 6, 8)] == pytest.approx(
+        [1.0, 1.1, 1.2, 1.3, 1.3 * 1.4, 1.3 * 1.8])
+    two = dataclasses.replace(CPU, cores=2, busy_slowdown=1.3)
+    t = cost.step_time(TINY, 8, 16, dp=2, device=two, buckets=1, precision="fp32")
+    alone = cost.step_time(TINY, 8, 16, dp=2, device=dataclasses.replace(two, busy_slowdown=None), buckets=1,
+                           precision="fp32")
+    assert t.compute_s == pytest.approx(1.3 * alone.compute_s) and t.dp_s == alone.dp_s  # messages as they were
+    assert cost.step_time(TINY, 8, 16, device=two, precision="fp32").compute_s == \
+        cost.step_time(TINY, 8, 16, device=dataclasses.replace(two, busy_slowdown=None), precision="fp32").compute_s

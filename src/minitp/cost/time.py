@@ -83,6 +83,8 @@ class Device:
     ranks), what messages cost when ranks wait for a core (``link_on_machine``); None: not measured;
     shared_slowdown: how many times slower the same compute ran at 2·cores ranks than at ``cores``
     ranks, measured beside ``shared_link`` (None: ranks/cores, the cores shared evenly).
+    busy_slowdown: how many times slower the tiny model's step ran with a rank on every core than on one
+    rank alone (caches, memory bandwidth, the cores' shared clock; None: not at all).
     """
 
     name: str
@@ -99,6 +101,7 @@ class Device:
     op_s: float = 0.0  # fixed seconds per small tensor operation a strategy adds
     shared_link: Link | None = None  # CPU only: the link measured at 2·cores ranks
     shared_slowdown: float | None = None  # CPU only: compute at 2·cores ranks against at cores ranks
+    busy_slowdown: float | None = None  # CPU only: a step with every core running a rank against one rank alone
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -138,7 +141,8 @@ def device_from_calibration(cal: dict) -> Device:
     return Device("this machine (" + cal.get("name", "calibrated") + ")", cal["flops_per_s"], link, link,
                   gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0), efficiency=1.0,
                   cores=cal.get("cores"), overhead_s=step, microbatch_overhead_s=microbatch,
-                  op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"))
+                  op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"),
+                  busy_slowdown=cal.get("busy_slowdown"))
 
 
 # -- compute ----------------------------------------------------------------------------------------
@@ -162,13 +166,17 @@ def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
 
 
 def _shared_cores(device: Device, ranks_on_machine: int) -> float:
-    """How many times slower a rank runs when the ranks outnumber the cores (CPU only): ranks/cores,
-    or, where ``minitp calibrate`` measured it (``shared_slowdown``, at 2·cores ranks), the line through
-    1 at ``cores`` ranks and that measurement."""
-    if not device.cores or ranks_on_machine <= device.cores:
+    """How many times slower a rank runs beside the others than alone (CPU only, as ``minitp calibrate``
+    measured it). Up to a rank per core: the line from 1 at one rank to ``busy_slowdown`` at ``cores``
+    ranks. Beyond: that, times the ranks' sharing of the cores, ranks/cores or the line through 1 at
+    ``cores`` ranks and ``shared_slowdown`` at 2·cores."""
+    if not device.cores or ranks_on_machine <= 1:
         return 1.0
+    busy = device.busy_slowdown or 1.0
+    if ranks_on_machine <= device.cores:
+        return 1 + (ranks_on_machine - 1) / max(device.cores - 1, 1) * (busy - 1)
     over = ranks_on_machine / device.cores - 1  # 1 at twice as many ranks as cores
-    return 1 + over * ((device.shared_slowdown or 2.0) - 1)
+    return busy * (1 + over * ((device.shared_slowdown or 2.0) - 1))
 
 
 def link_on_machine(link: Link, device: Device, ranks_on_machine: int) -> Link:
@@ -345,7 +353,8 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute. With more ranks than
     cores, compute slows by ranks/cores (or as ``minitp calibrate`` measured it, ``_shared_cores``)
-    and every message crosses the link as measured with ranks waiting for cores (``link_on_machine``).
+    and every message crosses the link as measured with ranks waiting for cores (``link_on_machine``);
+    with a rank on every core, compute and fixed costs run ``busy_slowdown`` times slower than alone.
     """
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)

@@ -141,6 +141,37 @@ def fit_fixed_costs(step_one: float, step_many: float, microbatches: int, flops_
             "op_s": microbatch / ops, "microbatch_ops": ops}
 
 
+def _busy_step_worker(repeats: int) -> float:
+    """The median seconds of the tiny model's training step (one micro-batch, AdamW) on this rank, every
+    rank of the launch stepping at the same time (a barrier before each step)."""
+    import torch.distributed as dist
+
+    from minitp.models import TINY, build_model, loss_fn
+    from minitp.models.train import make_optimizer
+
+    torch.set_num_threads(1)
+    model = build_model(TINY, seed=0)
+    optimizer = make_optimizer(model.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, TINY.vocab_size, (8, 16), generator=g) for _ in range(2))
+    times = []
+    for _ in range(repeats + 3):  # the first three warm up
+        dist.barrier()
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(tokens), targets).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:])
+
+
+def busy_slowdown(alone: float, together: list[float]) -> float:
+    """How many times slower a step runs when every core runs a rank than on one rank alone: the ranks'
+    mean over the lone rank's (at least 1: a faster crowd is noise). Caches, memory bandwidth and the
+    cores' shared clock make it more than 1 on most machines, before any message is sent."""
+    return max(1.0, statistics.fmean(together) / alone)
+
+
 SHARED_MAX_RANKS = 8  # more ranks than this (a machine of more than 4 cores): not measured at 2·cores ranks
 MICROBATCHES = 8  # the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
 
@@ -221,7 +252,11 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
         alpha_min, beta_min = fit_alpha_beta(fastest, 2)
     except ValueError:  # only for comparison: a noisy fastest fit does not spoil the calibration
         alpha_min, beta_min = None, None
-    shared = {"alpha_shared_s": None, "bytes_per_s_shared": None, "shared_slowdown": None}
+    shared = {"alpha_shared_s": None, "bytes_per_s_shared": None, "shared_slowdown": None, "busy_slowdown": None}
+    if cores and 2 <= cores <= SHARED_MAX_RANKS:  # what every core busy does to a step
+        alone = launch(_busy_step_worker, 1, repeats, echo=False, timeout=120)[0]
+        shared["busy_slowdown"] = busy_slowdown(alone, list(launch(_busy_step_worker, cores, repeats, echo=False,
+                                                                   timeout=120)))
     if cores and 2 <= cores and 2 * cores <= SHARED_MAX_RANKS:  # what waiting for a core does to messages, compute
         crowded = launch(_all_reduce_worker, 2 * cores, tuple(sizes), repeats // 2, echo=False, timeout=120)
         shared_means = _slower_rank(crowded, sizes)[0]
@@ -283,10 +318,11 @@ FIGURES = (
     ("memory_bytes", False, ">= 0"),
     ("flops_per_s_large", False, "> 0"), ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
     ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"), ("shared_slowdown", False, "> 0"),
+    ("busy_slowdown", False, "> 0"),
 )
 # a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
 MAY_BE_NULL = ("flops_per_s_large", "bytes_per_s_min", "alpha_min_s", "alpha_shared_s", "bytes_per_s_shared",
-               "shared_slowdown")
+               "shared_slowdown", "busy_slowdown")
 
 
 def calibration_path() -> str:
@@ -397,11 +433,12 @@ def _fixed(cal: dict) -> str:
 
 
 def _shared(cal: dict) -> str:
+    busy = (f"; every core busy: a step {cal['busy_slowdown']:.2f}x slower" if cal.get("busy_slowdown") else "")
     if cal.get("alpha_shared_s") is None or cal.get("bytes_per_s_shared") is None:
-        return ""
-    return (f"; at {2 * cal['cores']} ranks: α = {cal['alpha_shared_s'] * 1e6:.1f} µs, β = "
-            f"{cal['bytes_per_s_shared'] / 1e9:.2f} GB/s"
-            + (f", compute {cal['shared_slowdown']:.2f}x slower" if cal.get("shared_slowdown") else ""))
+        return busy
+    return busy + (f"; at {2 * cal['cores']} ranks: α = {cal['alpha_shared_s'] * 1e6:.1f} µs, β = "
+                   f"{cal['bytes_per_s_shared'] / 1e9:.2f} GB/s"
+                   + (f", compute {cal['shared_slowdown']:.2f}x slower" if cal.get("shared_slowdown") else ""))
 
 
 def _fastest(cal: dict) -> str:
