@@ -61,6 +61,14 @@ def test_recompute_refuses_minitps_own():
     with pytest.raises(ExerciseError, match="the exercise is to write it"):
         ch10.check_recompute(run_recomputed)
 
+    def calls_its_function(forward, x, *args):
+        from minitp.measure import activations
+
+        return activations._Recompute.apply(x, forward, args)
+
+    with pytest.raises(ExerciseError, match="_Recompute"):
+        ch10.check_recompute(calls_its_function)
+
 
 def mixed_step(master, x, y, lr, update="master", compute="bf16"):
     dtype = torch.bfloat16 if compute == "bf16" else torch.float32

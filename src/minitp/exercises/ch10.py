@@ -44,7 +44,7 @@ def check_recompute(fn) -> None:
     from minitp.measure import activations
 
     name = "full recomputation"
-    refuse_own(name, fn, activations.run_recomputed)
+    refuse_own(name, fn, activations.run_recomputed, activations._Recompute)
     torch.manual_seed(0)
     model = build_model(TINY, seed=0)
     batch, seq = 2, 16
