@@ -69,6 +69,14 @@ def test_recompute_refuses_minitps_own():
     with pytest.raises(ExerciseError, match="_Recompute"):
         ch10.check_recompute(calls_its_function)
 
+    def imports_its_function(forward, x, *args):  # imported inside the answer: the same refusal
+        from minitp.measure.activations import _Recompute
+
+        return _Recompute.apply(x, forward, args)
+
+    with pytest.raises(ExerciseError, match="your code calls minitp.measure.activations._Recompute"):
+        ch10.check_recompute(imports_its_function)
+
 
 def mixed_step(master, x, y, lr, update="master", compute="bf16"):
     dtype = torch.bfloat16 if compute == "bf16" else torch.float32

@@ -76,12 +76,13 @@ def wrong(name: str, mistake: str, expected: str = "") -> ExerciseError:
 
 
 def _names_used(code) -> tuple[set[str], set[str]]:
-    """(global names, attribute names) that ``code`` and the functions defined in it load."""
+    """(global names, attribute names) that ``code`` and the functions defined in it load; a name
+    imported inside them (``from minitp.pp import one_f_one_b``) counts as an attribute of its module."""
     globals_, attributes = set(), set()
     for instruction in dis.get_instructions(code):
         if instruction.opname == "LOAD_GLOBAL":
             globals_.add(instruction.argval)
-        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM"):  # m.f, or f from m
             attributes.add(instruction.argval)
     for const in code.co_consts:
         if hasattr(const, "co_code"):
@@ -93,7 +94,8 @@ def _names_used(code) -> tuple[set[str], set[str]]:
 
 def refuse_own(name: str, fn, *own) -> None:
     """Refuse an answer that is one of minitp's own functions ``own``, or whose code calls one (by its
-    name as an attribute, ``pp.one_f_one_b``, or as a global bound to it): the exercise is to write it.
+    name as an attribute, ``pp.one_f_one_b``, imported inside the answer, or as a global bound to it):
+    the exercise is to write it.
     Read from the answer's code, before it runs; nothing is replaced."""
     code = getattr(fn, "__code__", None)
     globals_, attributes = _names_used(code) if code is not None else (set(), set())
