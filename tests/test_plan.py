@@ -70,6 +70,8 @@ def test_cli_plan_answers_for_8b_and_70b(capsys):
 def test_plan_refuses_bad_input():
     with pytest.raises(ValueError, match="gpus must be an integer >= 1"):
         plan.plan(TINY, 0, 80)
+    with pytest.raises(ValueError, match="activations must be one of 'llama', 'llama-regather', 'gpt3', got 'gpt4'"):
+        plan.plan(TINY, 8, 80, activations="gpt4")
     with pytest.raises(ValueError, match="tp=3 does not divide n_heads=8"):
         plan.plan_layout(TINY, 1, 1, 3, 8, 16)
 

@@ -173,6 +173,9 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     check_positive("cp", cp)
     check_divisible("gpus", gpus, "cp", cp)
     check_cp_attention(cp_attention)
+    if activations not in cost.activations.FORMULAS:  # said once here, not as a refusal of every layout
+        raise ValueError(f"activations must be one of {', '.join(map(repr, cost.activations.FORMULAS))}, "
+                         f"got {activations!r}")
     if cost.check_ep(cfg, ep):
         check_divisible("gpus", gpus, "ep", ep, ": the experts are split over ep of the data-parallel GPUs")
     batch_size = batch_size or gpus // cp
