@@ -28,10 +28,12 @@ import builtins
 import json
 import os
 import sys
+from dataclasses import replace
 
 from minitp import runs  # noqa: F401  (registers every strategy)
 from minitp.launcher import LaunchError, RankError
 from minitp.plan import MAX_GPUS
+from minitp.runs.context_parallel import ATTENTION
 from minitp.runs.registry import STRATEGIES, Option, OptionError, Strategy
 
 
@@ -164,9 +166,7 @@ PLAN_OPTIONS = (
     Option("device", str, "h100", "whose FLOP/s and links time the step", choices=("h100", "a100")),
     Option("cp", int, 1, "context parallel: each sequence split over cp GPUs (ring attention); "
            "the layouts are those of gpus/cp", low=1),
-    Option("cp_attention", str, "ring", "how attention crosses the cp GPUs: ring (keys and values passed round), "
-           "ulysses (all-to-alls of the heads) or allgather (every GPU gathers all keys and values)",
-           choices=("ring", "ulysses", "allgather")),
+    replace(ATTENTION, name="cp_attention"),
     Option("ep", int, 1, "expert parallel (a MoE model, e.g. mixtral-8x7b): its experts split over ep of the "
            "data-parallel GPUs; ep divides n_experts and dp·cp", low=1),
     Option("flash_attention", bool, True, "count the stored attention scores", negate=True),
@@ -259,9 +259,7 @@ def _train_options():
             ("dp", "data-parallel replicas"), ("tp", "tensor-parallel ranks"), ("pp", "pipeline stages"),
             ("cp", "context-parallel ranks per replica (ring attention)"),
             ("ep", "expert-parallel ranks (--model byte-moe)"))),
-        Option("attention", str, "ring", "with --cp > 1, ring: keys and values passed round; ulysses: all-to-alls of "
-               "the heads; allgather: every rank gathers all keys and values",
-               choices=("ring", "ulysses", "allgather")),
+        ATTENTION,
         Option("layout", str, None, "auto: the planner picks dp, tp and pp for --nproc processes", choices=("auto",)),
         Option("nproc", int, None, "processes: dp x tp x pp x cp, or what --layout auto splits (default 2)", low=1,
                optional=True),

@@ -293,7 +293,7 @@ class RingAttend:
         return ring_attention(q, k, v, self.group, causal=True, balanced=self.balanced, label="cp/ring")
 
 
-ATTENTIONS = ("ring", "ulysses", "allgather")
+ATTENTIONS = layout.CP_ATTENTIONS
 
 
 class Context:

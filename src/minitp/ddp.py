@@ -15,9 +15,8 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
 * At the end of backward (an autograd callback) the remaining buckets are launched and all are
   waited for. Each ``param.grad`` is a **view into its bucket** (PyTorch's
   ``gradient_as_bucket_view``), so the averaged values are already where the optimizer reads them:
-  nothing is copied back. The hook divides each gradient by n as it enters the bucket, in one pass,
-  while it is fresh in the cache (in place if the optimizer kept the gradients and backward
-  accumulated straight into the view).
+  nothing is copied back. The hook divides each gradient by n as it enters the bucket, in one pass
+  while it is fresh in the cache (in place if backward accumulated straight into the view).
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
   accumulation); the first backward outside it all-reduces the accumulated sum, or
   ``finish_gradients()`` does it at once (the data-parallel protocol, ``minitp.replicas``).

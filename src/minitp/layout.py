@@ -131,6 +131,7 @@ def num_buckets(param_bytes: list[int], bucket_bytes: int) -> int:
 
 # -- context parallel: which positions of the sequence each rank holds ------------------------------------
 CP_TILE = 64  # ring attention cuts a diagonal (masked) chunk pair longer than this in four (minitp.cp)
+CP_ATTENTIONS = ("ring", "ulysses", "allgather")  # the ways minitp.cp attends across a cp group
 
 
 def cp_chunks(seq_len: int, cp: int, rank: int, balanced: bool = True) -> list[range]:

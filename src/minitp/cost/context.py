@@ -29,16 +29,13 @@ from __future__ import annotations
 from minitp.cost.activations import activation_bytes_per_rank, block_activation_bytes, recompute_mode
 from minitp.cost.strategies import collective_sent_bytes, memory_per_rank, pp_peak_microbatches_in_flight
 from minitp.cost.threed import rank_num_blocks, threed_step_bytes
-from minitp.layout import CP_TILE, check_divisible, cp_chunks, stage_num_blocks
+from minitp.layout import CP_ATTENTIONS, CP_TILE, check_divisible, cp_chunks, stage_num_blocks
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
            "cp_memory_per_rank", "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank",
            "cp3d_step_bytes", "cp_mesh_step_bytes", "ulysses_attention_bytes", "allgather_attention_bytes",
            "CP_ATTENTIONS", "check_cp_attention", "check_ulysses_heads", "cp_kind_attention_bytes",
            "cp_attention_activation_bytes", "cp_attention_activation_bytes_per_rank"]
-
-CP_ATTENTIONS = ("ring", "ulysses", "allgather")  # the ways minitp.cp attends across the cp group
-
 
 def check_cp_attention(attention: str) -> str:
     """``attention`` if it is one of ``CP_ATTENTIONS``, else a ValueError naming them."""

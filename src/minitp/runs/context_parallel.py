@@ -74,9 +74,11 @@ def run_cp(nproc: int = 4, steps: int = 4, balanced: bool = True, model: str = "
                                    for r in range(nproc)])
 
 
+# how attention crosses the cp ranks: run cp's, run 3d's and train's option (plan's is cp_attention)
+ATTENTION = Option("attention", str, "ring", "with cp > 1, ring: keys and values passed round; ulysses: all-to-alls "
+                   "of the heads; allgather: every rank gathers all keys and values", choices=cp.ATTENTIONS)
+
 register(Strategy("cp", run_cp, "context parallel: the sequence split over the ranks, attention as a ring", (
     Option("balanced", bool, True, "contiguous slices instead of load-balanced chunks i and 2n-1-i", negate=True),
-    Option("attention", str, "ring", "ring: keys and values passed round; ulysses: all-to-alls of the heads; "
-           "allgather: every rank gathers all keys and values",
-           choices=cp.ATTENTIONS),
+    ATTENTION,
 )))

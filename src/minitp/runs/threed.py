@@ -21,6 +21,7 @@ from minitp.models.train import TrainConfig, synthetic_batches
 from minitp.parallel3d import Parallel3D, unshard_3d
 from minitp.pp_schedules import SCHEDULES
 from minitp.runs.common import build_report, check_run, step_events, worker_summary
+from minitp.runs.context_parallel import ATTENTION
 from minitp.runs.expert_parallel import moe_reference
 from minitp.runs.references import full_batch
 from minitp.runs.registry import COMMON, MAX_EXPERTS, Option, Strategy, register
@@ -253,8 +254,7 @@ register(Strategy("3d", run_3d, "3D: data x pipeline x tensor parallel on one me
     Option("pp", int, 2, "pipeline stages", low=1),
     Option("cp", int, 1, "context-parallel ranks per replica: the sequence split, attention a ring",
            low=1),
-    Option("attention", str, "ring", "with cp > 1, ring: keys and values passed round; ulysses: all-to-alls of "
-           "the heads; allgather: every rank gathers all keys and values", choices=("ring", "ulysses", "allgather")),
+    ATTENTION,
     Option("ep", int, 1, "expert-parallel ranks: the MoE model's experts split over ep of the dp ranks "
            "(tp=1, DDP)", low=1),
     Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1, high=MAX_EXPERTS),
