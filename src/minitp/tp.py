@@ -9,22 +9,18 @@ A linear layer y = x Wᵀ (W: (out, in)) splits two ways:
   (exactly what a column-parallel layer left it) and produces a partial sum of the whole output;
   an all-reduce adds the partials.
 
-Column then row (Megatron-LM's pairing) makes an MLP or an attention layer cost one all-reduce
-forward (g, after the row layer) and one backward (f, at the input: each rank's column slice gives
-only a partial gradient of the input). f and g are autograd functions in ``minitp.regions``, so autograd
-sends the backward messages itself and every one of them is traced.
+Column then row (Megatron-LM's pairing) costs an MLP or attention one all-reduce forward (g, after
+the row layer) and one backward (f, at the input, whose gradient each column slice gives in part).
+f and g are autograd functions in ``minitp.regions``: autograd sends (and traces) the backward's.
 
-**Sequence parallel.** Between regions (norms, residual adds) the activations are replicated: every
-rank computes the same thing. Sequence parallel splits those positions over the ranks instead:
-g's all-reduce becomes a reduce-scatter along the sequence (each rank keeps the sum for S/tp
-positions) and f becomes an all-gather. The same bytes (an all-reduce is a reduce-scatter then an
-all-gather), but norms and residuals hold 1/tp of the activations. Layout: the residual stream is
-(B, S/tp, D) on every rank from the embedding to the final norm; attention and the MLP see (B, S, D).
+**Sequence parallel.** Between regions (norms, residual adds) every rank computes the same thing; sequence
+parallel splits those positions over the ranks: g becomes a reduce-scatter along the sequence, f an
+all-gather. The same bytes, but norms and residuals hold 1/tp of the activations: the residual stream
+is (B, S/tp, D) from the embedding to the final norm; attention and the MLP see (B, S, D).
 
-Refused, not padded or replicated: a vocabulary tp does not divide (padding would change the logits
-the one-process model is checked against), fewer key/value heads than ranks (shared heads would need
-their gradients summed). Reading order: the region entry/exit, ColumnParallelLinear,
-RowParallelLinear, ParallelFeedForward, ParallelAttention (the textbook core); then the vocabulary,
+Refused, not padded or replicated: a vocabulary tp does not divide (padding would change the logits),
+fewer key/value heads than ranks (shared heads would need their gradients summed). Reading order: the
+region entry/exit, the column and row linears, the MLP and attention (the core); then the vocabulary,
 sequence-parallel norms, parallelize, split_dims / local_shards / unshard, generate (the extras).
 """
 
