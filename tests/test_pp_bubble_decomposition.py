@@ -70,6 +70,17 @@ def test_the_hand_over_measured_from_a_step_plays_it_back(make, p, m, v):
     assert handover_costs(simulate(schedule, 1.0, 2.0)) == pytest.approx((0.0, 0.0))
 
 
+def test_the_hand_over_is_the_mean_of_the_gaps_and_waits_not_their_median():
+    """One slow gap among many: a step's time is the sum of its gaps, so handover_costs counts the
+    slow one in (the mean); the median would say the step lost nothing to it."""
+    step = replay(simulate(one_f_one_b(2, 8), 1.0, 2.0), gap_s=0.1)
+    slow = _delayed(step, 0, 5, 2.0)  # rank 0's sixth action starts 2.0 late
+    gaps = [s - t[j - 1][2] for t in slow for j, (_, s, _) in enumerate(t) if j]
+    message, gap = handover_costs(slow)
+    assert gap > 0.1 + 1e-3
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.1)  # the median of every gap is the usual one
+
+
 def test_the_report_places_the_compute_only_bubble_between_the_formula_and_the_measured_one(tmp_path):
     path = tmp_path / "r.json"
     assert cli.main(["run", "pp", "--nproc", "2", "--microbatches", "4", "--steps", "3", "--json", str(path)]) == 0

@@ -346,6 +346,7 @@ class _Receives:
                     self.streams.setdefault(q, []).append(("B", (k - 1) // p, a.microbatch))
         self.where = {key: (q, n) for q, keys in self.streams.items() for n, key in enumerate(keys)}
         self.next_post = dict.fromkeys(self.streams, 0)  # per stream: how many are posted
+        self.looked = 0  # actions before this one have had their receives posted
         self.posted: dict[tuple[str, int, int], tuple[comm.Handle, torch.Tensor]] = {}
 
     def _key(self, j: int) -> tuple[str, int, int] | None:
@@ -367,11 +368,13 @@ class _Receives:
 
     def post_ahead(self, j: int) -> None:
         """Post the receives of actions j .. j + recv_ahead (and, in order, all before them)."""
-        ahead = self.pipe.recv_ahead
-        for k in range(j, len(self.pipe.actions) if ahead is None else min(j + 1 + ahead, len(self.pipe.actions))):
+        ahead, n = self.pipe.recv_ahead, len(self.pipe.actions)
+        stop = n if ahead is None else min(j + 1 + ahead, n)
+        for k in range(max(j, self.looked), stop):
             key = self._key(k)
             if key is not None:
                 self._post_through(key)
+        self.looked = max(self.looked, stop)
 
     def take(self, j: int) -> torch.Tensor:
         key = self._key(j)
