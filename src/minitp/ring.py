@@ -36,8 +36,9 @@ from minitp import comm
 # A chunk above this travels as several sub-chunks (ring_all_reduce). Each sub-chunk is one more
 # message, and on a CPU shared by more ranks than cores each message costs a wake-up of a process
 # that waits. Measured there (16 MB on 4 ranks, 2 cores, 40 rounds against gloo's all_reduce): whole
-# 4 MiB chunks 1.03-1.09x gloo, 2 MiB sub-chunks 0.99-1.14x, 1 MiB 1.17-1.19x. On real links, with
-# a core per rank, smaller sub-chunks hide more.
+# 4 MiB chunks 1.03-1.09x gloo, 2 MiB sub-chunks 0.99-1.14x, 1 MiB 1.17-1.19x; with the inboxes
+# kept between calls (16 rounds, three runs), whole chunks 0.91-0.96x, 1 MiB 1.03-1.12x. On real
+# links, with a core per rank, smaller sub-chunks hide more.
 SUB_CHUNK_BYTES = 4 * 2**20
 
 
