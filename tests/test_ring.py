@@ -75,3 +75,26 @@ def _bad(sub_chunk_bytes):
 def test_a_sub_chunk_size_that_is_not_positive_is_refused():
     with pytest.raises(minitp.RankError, match="sub_chunk_bytes must be > 0, got 0"):
         minitp.launch(_bad, 2, 0, echo=False)
+
+
+
+def _twice(numel):
+    """Two all-reduces of one size, then one of another: whether each call's inboxes are the ones the
+    call before used (references kept, so a freed buffer's address cannot pass for the same one), and
+    whether each sum is right."""
+    out, before = [], None
+    for k, n in enumerate((numel, numel, numel + 8)):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(10 * dist.get_rank() + k))
+        reference = x.clone()
+        dist.all_reduce(reference)
+        ring.ring_all_reduce(x, sub_chunk_bytes=256)
+        (inbox,) = ring._INBOXES.values()  # the last size's only
+        out.append((torch.allclose(x, reference, atol=1e-6), inbox is before))
+        before = inbox
+    return out
+
+
+def test_the_inboxes_are_kept_between_calls_of_one_size_and_the_sums_stay_right():
+    for (right0, _), (right1, same1), (right2, same2) in minitp.launch(_twice, 3, 999, echo=False):
+        assert right0 and right1 and right2
+        assert same1 and not same2  # the same buffers for the same size; another size, new ones
