@@ -207,9 +207,9 @@ def format_report(report: Report | dict) -> str:
                          f"{compute - stages:+.3f}, hand-over of messages {measured_bubble - compute:+.3f}")
             if "bubble_fraction_with_handover" in report:
                 handover = report["bubble_fraction_with_handover"]
-                lines.append(f"  the hand-over measured: {report['handover_message_s'] * 1e3:.2f} ms a message, "
-                             f"{report['handover_gap_s'] * 1e3:.2f} ms between a rank's actions; replayed with "
-                             f"them it is {handover - compute:+.3f}, leaving {measured_bubble - handover:+.3f}")
+                lines.append(f"  the hand-over measured (means): {report['handover_message_s'] * 1e3:.2f} ms a "
+                             f"message, {report['handover_gap_s'] * 1e3:.2f} ms between a rank's actions; replayed "
+                             f"with them it is {handover - compute:+.3f}, leaving {measured_bubble - handover:+.3f}")
         lines += ["peak micro-batches in flight per rank: "
                   + ", ".join(str(p) for p in report["peak_microbatches_in_flight"])
                   + "  (formula " + ", ".join(str(p) for p in report["peak_microbatches_in_flight_expected"]) + ")"]
