@@ -1,12 +1,15 @@
 """The time model against this machine: measured / predicted step time of each strategy at 2 ranks.
 
-    flock /tmp/minitp-heavy.lock .venv/bin/python benchmarks/time_model.py [--runs 3] [--stored]
+    flock /tmp/minitp-heavy.lock .venv/bin/python benchmarks/time_model.py [--runs 3] [--stored] [--calibrations K]
     flock /tmp/minitp-heavy.lock .venv/bin/python benchmarks/time_model.py --count-ops
 
 Calibrates once (``minitp calibrate``, into a file of its own unless ``--stored``: then it uses the
 calibration ``minitp run`` reads), then runs ``minitp run STRATEGY --nproc 2`` for ddp, fsdp, tp, pp,
 cp and ep, ``--runs`` times each, and prints, per strategy, the median of measured / predicted over
 the runs with its spread (lowest–highest), the predicted step and the load average before and after.
+``--calibrations K`` does all of it K times and ends with each strategy's median over the K
+calibrations, their range, and in how many of them it was inside its target: one calibration is one
+draw of a machine that varies (two calibrations a minute apart have moved a strategy's ratio by 0.5).
 The load average is there because the prediction assumes nothing else shares the cores: on a
 machine that other jobs share, the measured steps grow and the ratios with them. Takes about two
 minutes on 2 cores. Not a test: it times the machine.
@@ -99,17 +102,10 @@ def count_ops() -> None:
             print(f"{name + f'at {nproc} ranks':24} {counted:>26} {model:>13}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--stored", action="store_true", help="use the stored calibration, do not calibrate")
-    parser.add_argument("--count-ops", action="store_true", help="count the operations cp and ep add (no timing)")
-    args = parser.parse_args(argv)
-    if args.count_ops:
-        count_ops()
-        return 0
+def one_calibration(args) -> dict[str, float]:
+    """Calibrate (unless ``--stored``), run each strategy ``--runs`` times, print the table; return each
+    strategy's median measured/predicted."""
+    medians = {}
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as folder:
         if not args.stored:
@@ -123,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [one_run(strategy, args.nproc, env, folder) for _ in range(args.runs)]
             ratios = sorted(m / p for m, p in runs)
             measured = sorted(m for m, _ in runs)
+            medians[strategy] = statistics.median(ratios)
             low, high = TARGETS.get(strategy, (0.0, float("inf")))
             mark = "" if low <= statistics.median(ratios) <= high else f"  (outside {low}-{high})"
             print(f"{strategy:8} {statistics.median(p for _, p in runs) * 1e3:7.1f} ms "
@@ -132,6 +129,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{args.runs} runs each at --nproc {args.nproc}, {STEPS} steps, in {time.perf_counter() - t0:.0f} s; "
               f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
               f"{len(os.sched_getaffinity(0))} cores")
+    return medians
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--stored", action="store_true", help="use the stored calibration, do not calibrate")
+    parser.add_argument("--calibrations", type=int, default=1,
+                        help="calibrate this many times, each followed by the runs, and sum up the spread")
+    parser.add_argument("--count-ops", action="store_true", help="count the operations cp and ep add (no timing)")
+    args = parser.parse_args(argv)
+    for name in ("runs", "nproc", "calibrations"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.stored and args.calibrations > 1:
+        parser.error("--calibrations calibrates each time; --stored uses the one stored calibration")
+    if args.count_ops:
+        count_ops()
+        return 0
+    summary: dict[str, list[float]] = {}
+    for k in range(args.calibrations):
+        if args.calibrations > 1:
+            print(f"\n-- calibration {k + 1} of {args.calibrations}")
+        for strategy, ratio in one_calibration(args).items():
+            summary.setdefault(strategy, []).append(ratio)
+    if args.calibrations > 1:  # the spread a single calibration hides
+        print(f"\nover {args.calibrations} calibrations, each strategy's median measured/predicted:")
+        for strategy, ratios in summary.items():
+            low, high = TARGETS.get(strategy, (0.0, float("inf")))
+            inside = sum(low <= r <= high for r in ratios)
+            print(f"{strategy:8} median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}, "
+                  f"inside {low}-{high} in {inside} of {len(ratios)}")
     return 0
 
 
