@@ -33,6 +33,9 @@ RECORDED_4 = [{"all_reduce": {4: (7.2e-4, 1.1e-4), 2**16: (8.0e-4, 1.9e-4), 2**2
 # the tiny model's fastest step at 1 and at 8 micro-batches, and the operations of one forward+backward
 RECORDED_STEPS = {1: 8.5e-3, 8: 34.1e-3}
 RECORDED_OPS = 1165
+# one rank: the median step plain and under each strategy, the collectives each step called, a bare call
+RECORDED_OWN = {"step_s": {"plain": 9.59e-3, "ddp": 10.92e-3, "fsdp": 12.69e-3, "tp": 14.49e-3},
+                "calls": {"plain": 0, "ddp": 3, "fsdp": 14, "tp": 20}, "call_s": 81e-6}
 
 
 def test_the_fixed_costs_are_fitted_per_micro_batch_per_step_and_per_operation():
@@ -58,6 +61,8 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     def recorded(fn, n, *a, **k):
         if fn is calibrate._busy_step_worker:
             return busy[n]
+        if fn is calibrate._own_work_worker:
+            return [RECORDED_OWN]
         return RECORDED if n == 2 else RECORDED_4
 
     monkeypatch.setattr(minitp.launcher, "launch", recorded)
@@ -71,6 +76,10 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     flops_s = 8 * 16 * cost.training_flops_per_token(TINY, 16) / 9.0e10
     assert {k: cal[k] for k in ("step_overhead_s", "microbatch_overhead_s", "op_s", "microbatch_ops")} == \
         calibrate.fit_fixed_costs(8.5e-3, 34.1e-3, 8, flops_s, RECORDED_OPS)
+    assert cal["tp_own_s"] == pytest.approx(14.49e-3 - 9.59e-3 - 20 * 81e-6)  # beyond the plain step and 20 calls
+    assert calibrate.check_calibration(cal) is None and device_own(cal) == (cal["ddp_own_s"], cal["fsdp_own_s"],
+                                                                            cal["tp_own_s"])
+    assert "own code per micro-batch, ms: ddp 1.1, fsdp 2.0, tp 3.3" in calibrate.format_calibration(cal)
     assert cal["flops_per_s"] == 9.0e10 and cal["cores"] == 2
     assert 0 < cal["alpha_s"] < 1e-3 and 1e8 < cal["bytes_per_s"] < 1e10
     assert calibrate.check_calibration(cal) is None
@@ -82,6 +91,36 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert device.shared_link.alpha_s == cal["alpha_shared_s"] and device.shared_slowdown == cal["shared_slowdown"]
     assert "per micro-batch" in calibrate.format_calibration(cal) and "at 4 ranks" in calibrate.format_calibration(cal)
     assert device.busy_slowdown == cal["busy_slowdown"] and "a step 1.30x slower" in calibrate.format_calibration(cal)
+
+
+def device_own(cal: dict) -> tuple[float, float, float]:
+    device = cost.device_from_calibration(cal)
+    return device.ddp_own_s, device.fsdp_own_s, device.tp_own_s
+
+
+def test_a_strategys_own_code_is_its_one_rank_step_beyond_the_plain_step_and_its_calls():
+    fit = calibrate.fit_own_work(RECORDED_OWN["step_s"], RECORDED_OWN["calls"], RECORDED_OWN["call_s"])
+    assert fit["ddp_own_s"] == pytest.approx(10.92e-3 - 9.59e-3 - 3 * 81e-6)
+    assert fit["fsdp_own_s"] == pytest.approx(12.69e-3 - 9.59e-3 - 14 * 81e-6)
+    assert set(fit) == {"ddp_own_s", "fsdp_own_s", "tp_own_s"}
+    noisy = {**RECORDED_OWN["step_s"], "ddp": 9.5e-3}  # faster than the plain step: noise, stored as 0
+    assert calibrate.fit_own_work(noisy, RECORDED_OWN["calls"], 81e-6)["ddp_own_s"] == 0.0
+
+
+def test_the_own_code_measurement_runs_each_strategy_at_one_rank_and_counts_its_calls():
+    from minitp.cost.time import _ring_steps
+    from minitp.launcher import launch
+    result = launch(calibrate._own_work_worker, 1, 2, echo=False, timeout=120)[0]
+    assert set(result["step_s"]) == {"plain", *calibrate.OWN_STRATEGIES} and result["call_s"] > 0
+    assert all(t > 0 for t in result["step_s"].values())  # what it measured, not how fast
+    # the calls are counted, not timed: the plain model calls none; tensor parallel's are the 4 per block
+    # and 4 at the ends the time model charges (one all-reduce is 2 message steps at 2 ranks)
+    sizes = {"tp": 2, "pp": 1, "dp": 1}
+    assert result["calls"]["plain"] == 0 and 2 * result["calls"]["tp"] == _ring_steps(TINY.n_layers, 1, sizes, "ddp",
+                                                                                      3, "none", 0.0, None)["tp"]
+    assert result["calls"]["ddp"] == 3  # the tiny model's gradients in 0.25 MiB buckets
+    units = TINY.n_layers + 1  # a unit per block, and the root's
+    assert result["calls"]["fsdp"] == 3 * units - 1  # gathers in forward and backward (the last unit's once), scatters
 
 
 def test_the_all_reduce_measurement_runs_on_two_ranks_and_reports_every_size():

@@ -402,15 +402,10 @@ def test_chapter_10_quotes_the_readmes_calibration_figures():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     said = re.search(r"medians were DDP (\S+) ms against (\d+) predicted,\s+tensor parallel (\S+) against (\d+), "
                      r"FSDP (\S+) against (\d+) and the pipeline (\S+) against (\d+)", readme)
-    chapter = re.search(r"predicted DDP (\d+) ms against (\S+) measured(?: over several runs)?,\s+"
-                        r"tensor parallel (\d+)\s+against (\S+), FSDP (\d+) against (\S+), "
-                        r"the pipeline (\d+) against (\S+?) \(",
-                        _chapter_text("10_planning"))
+    chapter = re.search(r"predicted tensor parallel (\d+) ms against (\S+) measured", _chapter_text("10_planning"))
     assert said and chapter
-    measured_predicted = said.groups()
-    predicted_measured = chapter.groups()
-    for i in range(0, 8, 2):  # each strategy: the same measured median and the same prediction
-        assert (measured_predicted[i], measured_predicted[i + 1]) == (predicted_measured[i + 1], predicted_measured[i])
+    # tensor parallel, the one the chapter quotes: the same measured median and the same prediction
+    assert (said.group(3), said.group(4)) == (chapter.group(2), chapter.group(1))
 
 
 # -- the fixed costs of this machine: per step, per micro-batch, per small operation; ranks beyond the cores --

@@ -85,6 +85,10 @@ class Device:
     ranks, measured beside ``shared_link`` (None: ranks/cores, the cores shared evenly).
     busy_slowdown: how many times slower the tiny model's step ran with a rank on every core than on one
     rank alone (caches, memory bandwidth, the cores' shared clock; None: not at all).
+    ddp_own_s / fsdp_own_s / tp_own_s: what minitp's DDP, FSDP (ZeRO-3) and tensor parallel add to each
+    forward+backward with their own code (hooks, autograd Functions, gathers and releases of units,
+    trace records), beyond the plain model and their collectives: measured by ``minitp calibrate`` at
+    one rank; 0 for the GPU presets.
     """
 
     name: str
@@ -102,6 +106,9 @@ class Device:
     shared_link: Link | None = None  # CPU only: the link measured at 2·cores ranks
     shared_slowdown: float | None = None  # CPU only: compute at 2·cores ranks against at cores ranks
     busy_slowdown: float | None = None  # CPU only: a step with every core running a rank against one rank alone
+    ddp_own_s: float = 0.0  # CPU only: fixed seconds per micro-batch of minitp's DDP's own code
+    fsdp_own_s: float = 0.0  # CPU only: the same for its FSDP (ZeRO-3)
+    tp_own_s: float = 0.0  # CPU only: the same for its tensor parallel
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -142,7 +149,8 @@ def device_from_calibration(cal: dict) -> Device:
                   gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0), efficiency=1.0,
                   cores=cal.get("cores"), overhead_s=step, microbatch_overhead_s=microbatch,
                   op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"),
-                  busy_slowdown=cal.get("busy_slowdown"))
+                  busy_slowdown=cal.get("busy_slowdown"), ddp_own_s=cal.get("ddp_own_s", 0.0),
+                  fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0))
 
 
 # -- compute ----------------------------------------------------------------------------------------
@@ -323,7 +331,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
 
     The small operations cp and ep add to the plain model (``strategy_ops``: ring attention's
     per-chunk online-softmax updates and hand-overs, a MoE's routing, per-expert work and dispatch)
-    cost ``op_s`` each (``ops_s``, part of compute); ``balanced``: context parallel's load-balanced
+    cost ``op_s`` each (``ops_s``, part of compute); DDP's, FSDP's (ZeRO-3) and tensor parallel's own
+    code costs what ``minitp calibrate`` measured at one rank per micro-batch (``Device.ddp_own_s``...,
+    also part of compute); ``balanced``: context parallel's load-balanced
     chunks (the default) or contiguous slices.
 
     cp: context parallel, each of the dp replicas' sequences split over cp ranks (ring attention,
@@ -366,12 +376,16 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)) / gpus
     compute = compute_time(rank_flops, device, gpus)
     attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq / gpus, device, gpus)
-    # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward, the step's
-    # optimizer once, and each small operation the strategy adds
+    # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward with the
+    # strategies' own code (ZeRO-1/2's is not measured), the step's optimizer once, and each small
+    # operation the strategy adds
     shared = _shared_cores(device, gpus)
     ops = strategy_ops(cfg, seq, cp if ring else 1, ep, balanced)
     ops_s = m * ops * device.op_s / pp * shared if device.op_s else 0.0
-    compute += (device.microbatch_overhead_s * m + device.overhead_s) / pp * shared + ops_s
+    own = device.tp_own_s if tp > 1 else 0.0
+    if dp * cp > 1:
+        own += device.ddp_own_s if data_parallel == "ddp" else device.fsdp_own_s if zero == 3 else 0.0
+    compute += ((device.microbatch_overhead_s + own) * m + device.overhead_s) / pp * shared + ops_s
     v = virtual_stages if pp > 1 else 1
     check_positive("virtual_stages", v)
     bubble = compute * (pp - 1) / (v * m)
@@ -389,7 +403,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
             sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept, attention=cp_attention),
                     "ep": 0.0}
         blocks = rank_num_blocks(cfg.n_layers, pp, stage, v)
-        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v, cp_attention)
+        ends = (stage == 0) + 3 * (stage == pp - 1)  # the embedding's all-reduce; the output's and the loss's two
+        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v, cp_attention,
+                            ends)
         for dim in worst:
             link = links[dim]
             worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
@@ -411,10 +427,11 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
                 dp_bytes: float, buckets: int | None, virtual_stages: int = 1,
-                cp_attention: str = "ring") -> dict[str, float]:
+                cp_attention: str = "ring", ends: int = 4) -> dict[str, float]:
     """Message steps on the critical path per step, each costing α: an all-reduce over n ranks takes
     2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send 1.
-    tp: per micro-batch 4 per block (6 with full recomputation), plus the embedding, output and loss's 3;
+    tp: per micro-batch 4 per block (6 with full recomputation), plus ``ends``: the embedding's one (on the
+    first stage), the output's and the loss's two (its maximum, then its sums; on the last stage);
     pp: m sends forward, m backward (v times that, interleaved); dp: DDP's buckets, or FSDP's gathers
     and reduce-scatters per unit;
     cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward (the ring); Ulysses' eight
@@ -423,7 +440,7 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
     rows, the combine, and the two gradients (the counts have none)."""
     tp, pp, dp, cp, ep = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
-    out = {"tp": m * (per_block * blocks + 3) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
+    out = {"tp": m * (per_block * blocks + ends) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
            "cp": m * blocks * {"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1), "allgather": 4 * (cp - 1)}[cp_attention]
            if cp > 1 else 0, "ep": m * blocks * 5 * (ep - 1)}
     if dp > 1:

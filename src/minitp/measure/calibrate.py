@@ -19,6 +19,11 @@ are read and checked here, and handed to it as a ``Device``.
   would be off by an order of magnitude. ``op_s``, the cost of one small tensor operation (what
   ring attention and a MoE add, ``minitp.cost.time.strategy_ops``), is the micro-batch's fixed cost
   over the number of operations its forward and backward dispatch (counted here, once).
+* a strategy's own code: the tiny model's step at one rank under minitp's DDP, FSDP (ZeRO-3) and
+  tensor parallel, against the plain step, less a bare one-rank all-reduce per collective it calls
+  (the time model charges a collective as α): their hooks, autograd Functions, gathers and releases,
+  trace records (``ddp_own_s``, ``fsdp_own_s``, ``tp_own_s``, ``fit_own_work``). Measured where no
+  message crosses anything, so nothing in it is fitted to the runs it predicts.
 * α and β: all-reduces of a few sizes on 2 ranks over gloo, each issued as training issues them,
   after a burst of compute (a few of the tiny model's matmuls), and fitted to
   T(B) = 2(n-1)·α + 2(n-1)/n · B/β (n = 2: T = 2α + B/β) by least squares on the **mean** time per
@@ -186,6 +191,64 @@ def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
     return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s, count_ops(batch // MICROBATCHES, seq))
 
 
+OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``own_work`` times at one rank
+
+
+def _own_work_worker(repeats: int) -> dict:
+    """On one rank, where a collective is a call that moves nothing: the tiny model's median training
+    step plain and under minitp's DDP (0.25 MiB buckets), FSDP (ZeRO-3) and tensor parallel, each built
+    as ``minitp run`` builds it, taking turns step by step (the first three rounds warm up); how many
+    collectives each step calls (counted in the trace every rank records); and the median of a bare
+    ``dist.all_reduce`` of one element. {"step_s": {name: s}, "calls": {name: n}, "call_s": s}"""
+    import torch.distributed as dist
+
+    from minitp import tp
+    from minitp import trace as _trace
+    from minitp.ddp import DistributedDataParallel
+    from minitp.fsdp import FullyShardedDataParallel
+    from minitp.models import TINY, build_model, loss_fn
+    from minitp.models.train import make_optimizer
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, TINY.vocab_size, (8, 16), generator=g) for _ in range(2))
+    plain, ddp, fsdp = (build_model(TINY, seed=0) for _ in range(3))
+    sharded = FullyShardedDataParallel(fsdp)
+    split = tp.parallelize(build_model(TINY, seed=0), None)
+    steps = {  # name: (what steps, its optimizer, its loss)
+        "plain": (plain, make_optimizer(plain.parameters(), 1e-3), loss_fn),
+        "ddp": (DistributedDataParallel(ddp, bucket_mb=0.25), make_optimizer(ddp.parameters(), 1e-3), loss_fn),
+        "fsdp": (sharded, sharded.attach(make_optimizer(sharded.parameters(), 1e-3)), loss_fn),
+        "tp": (split, make_optimizer(split.parameters(), 1e-3),
+               lambda logits, y: tp.vocab_parallel_cross_entropy(logits, y, None)),
+    }
+    times, calls, trace = {name: [] for name in steps}, {}, _trace.current()
+    for _ in range(repeats + 3):
+        for name, (model, optimizer, loss) in steps.items():
+            first = len(trace.events) if trace else 0
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=False)
+            loss(model(tokens), targets).backward()
+            optimizer.step()
+            times[name].append(time.perf_counter() - t0)
+            calls[name] = sum(e.kind == "comm" for e in trace.events[first:]) if trace else 0
+    one, bare = torch.zeros(1), []
+    for _ in range(4 * repeats):
+        t0 = time.perf_counter()
+        dist.all_reduce(one)
+        bare.append(time.perf_counter() - t0)
+    return {"step_s": {name: statistics.median(t[3:]) for name, t in times.items()}, "calls": calls,
+            "call_s": statistics.median(bare)}
+
+
+def fit_own_work(step_s: dict[str, float], calls: dict[str, int], call_s: float) -> dict[str, float]:
+    """{"ddp_own_s": ..., "fsdp_own_s": ..., "tp_own_s": ...}: what each strategy's step at one rank
+    costs beyond the plain model's step and beyond its collectives' bare calls (``call_s`` each; the
+    time model charges the calls as α): the strategy's own code. 0 where noise makes it negative."""
+    return {f"{name}_own_s": max(0.0, step_s[name] - step_s["plain"] - calls[name] * call_s)
+            for name in OWN_STRATEGIES}
+
+
 def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict:
     """{"all_reduce": {bytes: (mean seconds, fastest seconds)}, "compute_s": mean seconds of a long
     burst}: all-reduces each issued after a short burst of compute, as training issues them; then
@@ -245,6 +308,7 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
     flops = matmul_flops_per_s(*TINY_SHAPE)
     large = matmul_flops_per_s(512, 512, 512, repeats=5)
     fixed = fixed_costs(flops)
+    own = launch(_own_work_worker, 1, repeats, echo=False, timeout=120)[0]
     results = launch(_all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
     means, fastest = _slower_rank(results, sizes)
     alpha, beta = fit_alpha_beta(means, 2)
@@ -269,7 +333,8 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
         shared["all_reduce_shared_s"] = {str(b): t for b, t in shared_means.items()}
     return {
         "name": "gloo, 1 thread per rank", "flops_per_s": flops, "flops_per_s_large": large,
-        "matmul_shape": list(TINY_SHAPE), **fixed, "alpha_s": alpha, "bytes_per_s": beta,
+        "matmul_shape": list(TINY_SHAPE), **fixed, **fit_own_work(own["step_s"], own["calls"], own["call_s"]),
+        "own_calls": own["calls"], "call_s": own["call_s"], "alpha_s": alpha, "bytes_per_s": beta,
         "alpha_min_s": alpha_min, "bytes_per_s_min": beta_min,
         "all_reduce_s": {str(b): t for b, t in means.items()},
         "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()}, **shared, "cores": cores,
@@ -315,7 +380,8 @@ MAX_FILE_BYTES = 2**20  # a calibration is about a kilobyte; a larger file is no
 FIGURES = (
     ("flops_per_s", True, "> 0"), ("bytes_per_s", True, "> 0"), ("alpha_s", True, ">= 0"),
     ("step_overhead_s", False, ">= 0"), ("microbatch_overhead_s", False, ">= 0"), ("op_s", False, ">= 0"),
-    ("memory_bytes", False, ">= 0"),
+    ("memory_bytes", False, ">= 0"), ("ddp_own_s", False, ">= 0"), ("fsdp_own_s", False, ">= 0"),
+    ("tp_own_s", False, ">= 0"),
     ("flops_per_s_large", False, "> 0"), ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
     ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"), ("shared_slowdown", False, "> 0"),
     ("busy_slowdown", False, "> 0"),
@@ -429,7 +495,13 @@ def _fixed(cal: dict) -> str:
         return f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs"
     return (f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs and "
             f"{cal['microbatch_overhead_s'] * 1e3:.1f} ms per micro-batch "
-            f"({cal['op_s'] * 1e6:.1f} µs per small operation)")
+            f"({cal['op_s'] * 1e6:.1f} µs per small operation){_own(cal)}")
+
+
+def _own(cal: dict) -> str:
+    own = [f"{name} {cal[f'{name}_own_s'] * 1e3:.1f}" for name in OWN_STRATEGIES
+           if cal.get(f"{name}_own_s") is not None]
+    return f"; a strategy's own code per micro-batch, ms: {', '.join(own)}" if own else ""
 
 
 def _shared(cal: dict) -> str:
