@@ -381,6 +381,15 @@ def test_combine_refuses_minitps_own_all_to_all_and_combine():
     with pytest.raises(ExerciseError, match="your code calls minitp.regions.all_to_all_rows"):
         ch08.check_combine(with_the_library_inside_a_function)
 
+    def send_back(done, send_splits, recv_splits, group):  # a helper of the answer's own
+        return regions.all_to_all_rows(done, send_splits, recv_splits, group)
+
+    def with_the_library_in_a_helper(done, order, gate, send_splits, recv_splits, group):
+        return _weighted_sum(send_back(done, send_splits, recv_splits, group), order, gate)
+
+    with pytest.raises(ExerciseError, match="your code calls minitp.regions.all_to_all_rows"):
+        ch08.check_combine(with_the_library_in_a_helper)
+
 
 def test_the_combine_data_is_exercise_3s_dispatch_with_two_different_experts_per_token():
     for rank in range(4):

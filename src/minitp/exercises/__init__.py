@@ -118,6 +118,40 @@ def refuse_own(name: str, fn, *own) -> None:
                                 "it.")
 
 
+def refuse_own_deep(name: str, fn, *own, depth: int = 3, _seen: set | None = None) -> None:
+    """``refuse_own`` on ``fn`` and on what it uses that was written beside it (in the answer's own
+    module: its helpers, the forward and backward of its autograd Functions, by global name or closed
+    over), a few levels down: an answer that hands the work to its own helper that calls minitp's is
+    refused too."""
+    import torch
+
+    seen = set() if _seen is None else _seen
+    if id(fn) in seen or depth < 0:
+        return
+    seen.add(id(fn))
+    refuse_own(name, fn, *own)
+    code, home = getattr(fn, "__code__", None), getattr(fn, "__module__", None)
+    if code is None:
+        return
+    bound = dict(getattr(fn, "__globals__", {}))
+    for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            bound[var] = cell.cell_contents
+        except ValueError:  # pragma: no cover - a cell not filled yet
+            pass
+    names = set(code.co_names) | set(code.co_freevars)
+    names |= {n for c in code.co_consts if hasattr(c, "co_names") for n in c.co_names}
+    for used in sorted(names):
+        obj = bound.get(used)
+        if obj is None or getattr(obj, "__module__", None) != home:
+            continue
+        if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+            for part in (obj.forward, obj.backward):
+                refuse_own_deep(name, part, *own, depth=depth - 1, _seen=seen)
+        elif callable(obj):
+            refuse_own_deep(name, obj, *own, depth=depth - 1, _seen=seen)
+
+
 def passed(name: str, detail: str = "") -> None:
     print(f"[ok] {name}: correct" + (f" ({detail})" if detail else ""))
 
@@ -195,4 +229,4 @@ def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.
 
 
 __all__ = ["ExerciseError", "HANG_HINT", "NOT_DONE", "call_answer", "learner_frames", "not_implemented", "passed",
-           "refuse_own", "reset_tries", "run_answer", "show_expected", "wrong"]
+           "refuse_own", "refuse_own_deep", "reset_tries", "run_answer", "show_expected", "wrong"]

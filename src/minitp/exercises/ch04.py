@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from minitp import cost, regions, trace
-from minitp.exercises import ExerciseError, passed, problems, refuse_own, run_answer, wrong
+from minitp.exercises import ExerciseError, passed, problems, refuse_own_deep, run_answer, wrong
 from minitp.exercises.ch03 import ANSWER, TOL, answer_messages, max_diff, phase
 from minitp.exercises.heads import causal_attention, check_heads  # noqa: F401 (causal_attention: for the notebook)
 from minitp.exercises.problems import Problem
@@ -337,29 +337,6 @@ def _sp_worker(fn):
     return result
 
 
-def _refuse_sp_own(name: str, fn, depth: int = 3, seen=None) -> None:
-    """``refuse_own`` on ``fn`` and on what it calls that was written beside it (the forward and
-    backward of its autograd Functions, its helpers), a few levels down."""
-    seen = set() if seen is None else seen
-    if id(fn) in seen or depth < 0:
-        return
-    seen.add(id(fn))
-    refuse_own(name, fn, *_SP_OWN)
-    code, home = getattr(fn, "__code__", None), getattr(fn, "__module__", None)
-    if code is None:
-        return
-    names = set(code.co_names) | {n for c in code.co_consts if hasattr(c, "co_names") for n in c.co_names}
-    for used in names:
-        obj = getattr(fn, "__globals__", {}).get(used)
-        if obj is None or getattr(obj, "__module__", None) != home:
-            continue
-        if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
-            for part in (obj.forward, obj.backward):
-                _refuse_sp_own(name, part, depth - 1, seen)
-        elif callable(obj):
-            _refuse_sp_own(name, obj, depth - 1, seen)
-
-
 def check_sequence_parallel_norm(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
     """``fn(partial, residual, weight, eps, group)`` -> (h, full): sequence parallel between two regions.
 
@@ -367,7 +344,7 @@ def check_sequence_parallel_norm(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
     residual stream at this rank's positions; h = the summed partials at those positions + residual
     (B, S/n, D); full (B, S, D): RMSNorm(h) of every position, the next column-parallel layer's input."""
     name = "sequence parallel around the norm"
-    _refuse_sp_own(name, fn)
+    refuse_own_deep(name, fn, *_SP_OWN)
     for n in nprocs:
         want = _sp_reference(n)
         s = SP_S // n

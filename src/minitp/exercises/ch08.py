@@ -25,7 +25,16 @@ import math
 import torch
 
 from minitp import comm, cost, models, regions, trace
-from minitp.exercises import ExerciseError, _names_used, passed, problems, refuse_own, run_answer, wrong
+from minitp.exercises import (
+    ExerciseError,
+    _names_used,
+    passed,
+    problems,
+    refuse_own,
+    refuse_own_deep,
+    run_answer,
+    wrong,
+)
 from minitp.exercises.problems import Problem
 from minitp.models.moe import MIXTRAL_8X7B, capacity_mask, moe_config
 
@@ -358,7 +367,7 @@ def check_combine(fn, nprocs: tuple[int, ...] = (2, 4)) -> None:
     backward sending each output's gradient back to the rank whose expert made it."""
     name = "combine and its backward"
     own = (regions.all_to_all_rows, regions._AllToAll, models.moe.combine)
-    refuse_own(name, fn, *own)
+    refuse_own_deep(name, fn, *own)
     for cls in _autograd_functions(fn):
         for method in ("forward", "backward"):
             refuse_own(name, getattr(cls, method), *own)
