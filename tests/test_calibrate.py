@@ -7,6 +7,7 @@ import pytest
 from minitp import cli, cost
 from minitp.measure import calibrate
 from minitp.models import TINY
+from minitp.models.moe import moe_config
 from minitp.models.train import TrainConfig
 from minitp.runs.common import predicted_step_s
 from minitp.runs.report import Report, format_report
@@ -34,6 +35,9 @@ RECORDED_4 = [{"all_reduce": {4: (7.2e-4, 1.1e-4), 2**16: (8.0e-4, 1.9e-4), 2**2
 RECORDED_STEPS = {1: 8.5e-3, 8: 34.1e-3}
 RECORDED_OPS = 1165
 # one rank: the median step plain and under each strategy, the collectives each step called, a bare call
+# one rank: the median forward+backward plain, under ring attention and as a MoE, and their operations
+RECORDED_OP_COSTS = {"fb_s": {"plain": 7.84e-3, "cp": 11.14e-3, "ep": 21.02e-3},
+                     "ops": {"plain": 1173, "cp": 1763, "ep": 3087}}
 RECORDED_OWN = {"step_s": {"plain": 9.59e-3, "ddp": 10.92e-3, "fsdp": 12.69e-3, "tp": 14.49e-3},
                 "calls": {"plain": 0, "ddp": 3, "fsdp": 14, "tp": 20}, "call_s": 81e-6}
 
@@ -63,6 +67,8 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
             return busy[n]
         if fn is calibrate._own_work_worker:
             return [RECORDED_OWN]
+        if fn is calibrate._op_cost_worker:
+            return [RECORDED_OP_COSTS]
         return RECORDED if n == 2 else RECORDED_4
 
     monkeypatch.setattr(minitp.launcher, "launch", recorded)
@@ -80,6 +86,13 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert calibrate.check_calibration(cal) is None and device_own(cal) == (cal["ddp_own_s"], cal["fsdp_own_s"],
                                                                             cal["tp_own_s"])
     assert "own code per micro-batch, ms: ddp 1.1, fsdp 2.0, tp 3.3" in calibrate.format_calibration(cal)
+    assert cal["cp_op_s"] == pytest.approx((11.14e-3 - 7.84e-3) / (1763 - 1173))  # 5.6 µs an operation
+    moe_flops = 8 * 16 * (cost.training_flops_per_token(moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25),
+                                                        16) - cost.training_flops_per_token(TINY, 16)) / 9.0e10
+    assert cal["ep_op_s"] == pytest.approx((21.02e-3 - 7.84e-3 - moe_flops) / (3087 - 1173))
+    device = cost.device_from_calibration(cal)
+    assert (device.cp_op_s, device.ep_op_s) == (cal["cp_op_s"], cal["ep_op_s"])
+    assert "ring attention's 5.6, a MoE's" in calibrate.format_calibration(cal)
     assert cal["flops_per_s"] == 9.0e10 and cal["cores"] == 2
     assert 0 < cal["alpha_s"] < 1e-3 and 1e8 < cal["bytes_per_s"] < 1e10
     assert calibrate.check_calibration(cal) is None
@@ -105,6 +118,24 @@ def test_a_strategys_own_code_is_its_one_rank_step_beyond_the_plain_step_and_its
     assert set(fit) == {"ddp_own_s", "fsdp_own_s", "tp_own_s"}
     noisy = {**RECORDED_OWN["step_s"], "ddp": 9.5e-3}  # faster than the plain step: noise, stored as 0
     assert calibrate.fit_own_work(noisy, RECORDED_OWN["calls"], 81e-6)["ddp_own_s"] == 0.0
+
+
+def test_an_added_operation_costs_the_growth_over_the_plain_pass_per_operation_added():
+    fit = calibrate.fit_op_costs(RECORDED_OP_COSTS["fb_s"], RECORDED_OP_COSTS["ops"], moe_flops_s=0.5e-3)
+    assert fit["ep_op_s"] == pytest.approx((21.02e-3 - 7.84e-3 - 0.5e-3) / (3087 - 1173))
+    slower_plain = {**RECORDED_OP_COSTS["fb_s"], "plain": 12e-3}  # noise: the plain pass slower than ring attention
+    assert calibrate.fit_op_costs(slower_plain, RECORDED_OP_COSTS["ops"])["cp_op_s"] == 0.0
+    nothing_added = {**RECORDED_OP_COSTS["ops"], "cp": 1173}
+    assert calibrate.fit_op_costs(RECORDED_OP_COSTS["fb_s"], nothing_added)["cp_op_s"] is None
+    assert calibrate.check_calibration({**GOOD, "cp_op_s": None}) is None  # stored as null: op_s is used
+    assert "cp_op_s is -1" in calibrate.check_calibration({**GOOD, "cp_op_s": -1})
+
+
+def test_the_operation_cost_measurement_counts_what_ring_attention_and_a_moe_add_at_one_rank():
+    from minitp.launcher import launch
+    result = launch(calibrate._op_cost_worker, 1, 1, echo=False, timeout=120)[0]
+    assert set(result["fb_s"]) == {"plain", "cp", "ep"} and all(t > 0 for t in result["fb_s"].values())
+    assert result["ops"]["plain"] < result["ops"]["cp"] and result["ops"]["plain"] < result["ops"]["ep"]
 
 
 def test_the_own_code_measurement_runs_each_strategy_at_one_rank_and_counts_its_calls():

@@ -468,6 +468,22 @@ def test_the_added_operations_cost_op_s_each_on_the_stages_share_and_nothing_on_
     assert cost.step_time(moe, 8, 16, dp=2, ep=2, device=cost.H100).ops_s == 0.0  # op_s 0: hidden launches
 
 
+def test_ring_attentions_and_a_moes_operations_cost_what_calibrate_measured_for_each():
+    import dataclasses
+
+    from minitp.cost.time import moe_ops, ring_ops, strategy_ops
+
+    measured = dataclasses.replace(FREE, cp_op_s=6e-6, ep_op_s=7e-6)
+    ring = cost.step_time(TINY, 8, 16, cp=2, device=measured)
+    assert ring.ops_s == pytest.approx(ring_ops(TINY, 16, 2) * 6e-6)
+    moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
+    assert cost.step_time(moe, 8, 16, dp=2, ep=2, device=measured).ops_s == pytest.approx(moe_ops(moe, 2) * 7e-6)
+    both = cost.step_time(moe, 8, 16, cp=2, ep=2, device=measured)  # each part at its own cost
+    assert both.ops_s == pytest.approx(ring_ops(moe, 16, 2) * 6e-6 + moe_ops(moe, 2) * 7e-6)
+    assert strategy_ops(moe, 16, cp=2, ep=2) == ring_ops(moe, 16, 2) + moe_ops(moe, 2)
+    assert moe_ops(TINY) == 0 and ring_ops(TINY, 16) == 0  # a dense model, one rank: nothing added
+
+
 SHARED = cost.Link("4 ranks on 2 cores", alpha_s=3e-6, bytes_per_s=500.0)
 
 

@@ -45,7 +45,7 @@ from minitp.layout import CP_TILE, check_positive, cp_chunks
 
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
            "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime",
-           "step_time", "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops",
+           "step_time", "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops", "ring_ops", "moe_ops",
            "link_on_machine"]
 
 
@@ -89,6 +89,10 @@ class Device:
     forward+backward with their own code (hooks, autograd Functions, gathers and releases of units,
     trace records), beyond the plain model and their collectives: measured by ``minitp calibrate`` at
     one rank; 0 for the GPU presets.
+    cp_op_s / ep_op_s: what one operation ring attention / a MoE adds costs (``ring_ops``, ``moe_ops``),
+    measured by ``minitp calibrate`` at one rank as their forward+backward's growth over the plain
+    model's per operation added: their operations index, mask and scatter small tensors, and cost
+    about twice the plain model's average (``op_s``, used where these are 0).
     """
 
     name: str
@@ -109,6 +113,8 @@ class Device:
     ddp_own_s: float = 0.0  # CPU only: fixed seconds per micro-batch of minitp's DDP's own code
     fsdp_own_s: float = 0.0  # CPU only: the same for its FSDP (ZeRO-3)
     tp_own_s: float = 0.0  # CPU only: the same for its tensor parallel
+    cp_op_s: float = 0.0  # CPU only: one operation ring attention adds (0: op_s)
+    ep_op_s: float = 0.0  # CPU only: one operation a MoE adds (0: op_s)
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -150,7 +156,8 @@ def device_from_calibration(cal: dict) -> Device:
                   cores=cal.get("cores"), overhead_s=step, microbatch_overhead_s=microbatch,
                   op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"),
                   busy_slowdown=cal.get("busy_slowdown"), ddp_own_s=cal.get("ddp_own_s", 0.0),
-                  fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0))
+                  fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0),
+                  cp_op_s=cal.get("cp_op_s", 0.0), ep_op_s=cal.get("ep_op_s", 0.0))
 
 
 # -- compute ----------------------------------------------------------------------------------------
@@ -244,21 +251,32 @@ def _pieces(queries: range, keys: range) -> tuple[int, int]:
 def strategy_ops(cfg, seq: int, cp: int = 1, ep: int = 1, balanced: bool = True) -> int:
     """Small tensor operations (forward and backward) that ring attention over cp ranks and a MoE's
     routing, experts and all-to-alls over ep ranks add to the plain model's, per micro-batch of the
-    whole model, on its busiest rank (``RING_OPS``, ``MOE_OPS``). Each costs ``Device.op_s``."""
-    ops = 0
-    if cp > 1:
-        chunks = [cp_chunks(seq, cp, r, balanced) for r in range(cp)]
-        per_block = []
-        for rank in range(cp):
-            pieces = [_pieces(q, k) for source in range(cp) for q in chunks[rank] for k in chunks[source]]
-            unmasked, masked = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
-            per_block.append(RING_OPS["piece"] * unmasked + RING_OPS["masked_piece"] * masked
-                             + RING_OPS["step"] * cp + RING_OPS["block"])
-        ops += cfg.n_layers * max(per_block)
-    if hasattr(cfg, "n_experts"):
-        local = cfg.n_experts // ep
-        ops += cfg.n_layers * (MOE_OPS["routing"] + MOE_OPS["expert"] * local + (MOE_OPS["dispatch"] if ep > 1 else 0))
-    return ops
+    whole model, on its busiest rank (``RING_OPS``, ``MOE_OPS``): ``ring_ops`` + ``moe_ops``."""
+    return ring_ops(cfg, seq, cp, balanced) + moe_ops(cfg, ep)
+
+
+def ring_ops(cfg, seq: int, cp: int = 1, balanced: bool = True) -> int:
+    """The operations ring attention over cp ranks adds, per micro-batch, on its busiest rank. Each
+    costs ``Device.cp_op_s`` (or ``op_s`` where that was not measured)."""
+    if cp == 1:
+        return 0
+    chunks = [cp_chunks(seq, cp, r, balanced) for r in range(cp)]
+    per_block = []
+    for rank in range(cp):
+        pieces = [_pieces(q, k) for source in range(cp) for q in chunks[rank] for k in chunks[source]]
+        unmasked, masked = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
+        per_block.append(RING_OPS["piece"] * unmasked + RING_OPS["masked_piece"] * masked
+                         + RING_OPS["step"] * cp + RING_OPS["block"])
+    return cfg.n_layers * max(per_block)
+
+
+def moe_ops(cfg, ep: int = 1) -> int:
+    """The operations a MoE's routing, its experts on this rank and (ep > 1) its dispatch and combine
+    add, per micro-batch. Each costs ``Device.ep_op_s`` (or ``op_s``); 0 for a dense model."""
+    if not hasattr(cfg, "n_experts"):
+        return 0
+    local = cfg.n_experts // ep
+    return cfg.n_layers * (MOE_OPS["routing"] + MOE_OPS["expert"] * local + (MOE_OPS["dispatch"] if ep > 1 else 0))
 
 
 # -- communication ----------------------------------------------------------------------------------
@@ -380,8 +398,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     # strategies' own code (ZeRO-1/2's is not measured), the step's optimizer once, and each small
     # operation the strategy adds
     shared = _shared_cores(device, gpus)
-    ops = strategy_ops(cfg, seq, cp if ring else 1, ep, balanced)
-    ops_s = m * ops * device.op_s / pp * shared if device.op_s else 0.0
+    ops = (ring_ops(cfg, seq, cp if ring else 1, balanced) * (device.cp_op_s or device.op_s)
+           + moe_ops(cfg, ep) * (device.ep_op_s or device.op_s))
+    ops_s = m * ops / pp * shared
     own = device.tp_own_s if tp > 1 else 0.0
     if dp * cp > 1:
         own += device.ddp_own_s if data_parallel == "ddp" else device.fsdp_own_s if zero == 3 else 0.0

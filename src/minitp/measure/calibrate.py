@@ -23,7 +23,10 @@ are read and checked here, and handed to it as a ``Device``.
   tensor parallel, against the plain step, less a bare one-rank all-reduce per collective it calls
   (the time model charges a collective as α): their hooks, autograd Functions, gathers and releases,
   trace records (``ddp_own_s``, ``fsdp_own_s``, ``tp_own_s``, ``fit_own_work``). Measured where no
-  message crosses anything, so nothing in it is fitted to the runs it predicts.
+  message crosses anything, so nothing in it is fitted to the runs it predicts. In the same way, what
+  one operation ring attention and a MoE add costs (``cp_op_s``, ``ep_op_s``, ``fit_op_costs``): the
+  growth of their forward+backward at one rank over the plain model's, per operation added (their
+  indexing, masking and scattering of small tensors cost about twice ``op_s``).
 * α and β: all-reduces of a few sizes on 2 ranks over gloo, each issued as training issues them,
   after a burst of compute (a few of the tiny model's matmuls), and fitted to
   T(B) = 2(n-1)·α + 2(n-1)/n · B/β (n = 2: T = 2α + B/β) by least squares on the **mean** time per
@@ -181,6 +184,16 @@ SHARED_MAX_RANKS = 8  # more ranks than this (a machine of more than 4 cores): n
 MICROBATCHES = 8  # the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
 
 
+def _moe_extra_flops_s(flops_per_s: float, batch: int = 8, seq: int = 16) -> float:
+    """Seconds the MoE of ``_op_cost_worker`` spends on FLOPs beyond the plain tiny model's."""
+    from minitp.cost import training_flops_per_token
+    from minitp.models import TINY
+    from minitp.models.moe import moe_config
+
+    moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
+    return batch * seq * (training_flops_per_token(moe, seq) - training_flops_per_token(TINY, seq)) / flops_per_s
+
+
 def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
     """Measure and fit the fixed costs of a step, of a micro-batch and of one operation (``fit_fixed_costs``)."""
     from minitp.cost import training_flops_per_token
@@ -249,6 +262,44 @@ def fit_own_work(step_s: dict[str, float], calls: dict[str, int], call_s: float)
             for name in OWN_STRATEGIES}
 
 
+def _op_cost_worker(repeats: int) -> dict:
+    """On one rank: the median forward+backward of the tiny model plain, under ring attention and as
+    a MoE under expert parallel (8 experts, top-2), taking turns (the first three rounds warm up), and
+    the operations each dispatches. {"fb_s": {name: s}, "ops": {name: n}}"""
+    from minitp import cp, ep
+    from minitp.models import TINY, build_model, loss_fn
+    from minitp.models.moe import build_moe_model, moe_config, moe_loss
+
+    torch.set_num_threads(1)
+    tokens = torch.randint(0, TINY.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
+    plain, dense = build_model(TINY, seed=0), build_model(TINY, seed=0)
+    ring, local = cp.parallelize(dense, None, True, "ring"), cp.shard_sequence(tokens, None, True)
+    moe = build_moe_model(moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25), seed=0)
+    experts, moe_loss_fn = ep.ExpertParallel(moe, None), moe_loss(moe)
+    passes = {"plain": lambda: loss_fn(plain(tokens), tokens).backward(),
+              "cp": lambda: loss_fn(ring(local), local).backward(),
+              "ep": lambda: moe_loss_fn(experts(tokens), tokens).backward()}
+    ops = {name: count_dispatched(run) for name, run in passes.items()}
+    times = {name: [] for name in passes}
+    for _ in range(repeats + 3):
+        for name, run in passes.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {"fb_s": {name: statistics.median(t[3:]) for name, t in times.items()}, "ops": ops}
+
+
+def fit_op_costs(fb_s: dict[str, float], ops: dict[str, int], moe_flops_s: float = 0.0) -> dict[str, float]:
+    """{"cp_op_s": ..., "ep_op_s": ...}: the growth of the forward+backward over the plain model's per
+    operation added, under ring attention and as a MoE (less ``moe_flops_s``, the time of the MoE's
+    extra FLOPs at the measured rate). None where nothing was added; 0 where noise makes it negative."""
+    out = {}
+    for name in ("cp", "ep"):
+        added, extra = ops[name] - ops["plain"], moe_flops_s if name == "ep" else 0.0
+        out[f"{name}_op_s"] = max(0.0, (fb_s[name] - fb_s["plain"] - extra) / added) if added > 0 else None
+    return out
+
+
 def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict:
     """{"all_reduce": {bytes: (mean seconds, fastest seconds)}, "compute_s": mean seconds of a long
     burst}: all-reduces each issued after a short burst of compute, as training issues them; then
@@ -309,6 +360,7 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
     large = matmul_flops_per_s(512, 512, 512, repeats=5)
     fixed = fixed_costs(flops)
     own = launch(_own_work_worker, 1, repeats, echo=False, timeout=120)[0]
+    op_costs = launch(_op_cost_worker, 1, repeats, echo=False, timeout=120)[0]
     results = launch(_all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
     means, fastest = _slower_rank(results, sizes)
     alpha, beta = fit_alpha_beta(means, 2)
@@ -334,7 +386,9 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
     return {
         "name": "gloo, 1 thread per rank", "flops_per_s": flops, "flops_per_s_large": large,
         "matmul_shape": list(TINY_SHAPE), **fixed, **fit_own_work(own["step_s"], own["calls"], own["call_s"]),
-        "own_calls": own["calls"], "call_s": own["call_s"], "alpha_s": alpha, "bytes_per_s": beta,
+        "own_calls": own["calls"], "call_s": own["call_s"],
+        **fit_op_costs(op_costs["fb_s"], op_costs["ops"], _moe_extra_flops_s(flops)),
+        "alpha_s": alpha, "bytes_per_s": beta,
         "alpha_min_s": alpha_min, "bytes_per_s_min": beta_min,
         "all_reduce_s": {str(b): t for b, t in means.items()},
         "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()}, **shared, "cores": cores,
@@ -381,14 +435,14 @@ FIGURES = (
     ("flops_per_s", True, "> 0"), ("bytes_per_s", True, "> 0"), ("alpha_s", True, ">= 0"),
     ("step_overhead_s", False, ">= 0"), ("microbatch_overhead_s", False, ">= 0"), ("op_s", False, ">= 0"),
     ("memory_bytes", False, ">= 0"), ("ddp_own_s", False, ">= 0"), ("fsdp_own_s", False, ">= 0"),
-    ("tp_own_s", False, ">= 0"),
+    ("tp_own_s", False, ">= 0"), ("cp_op_s", False, ">= 0"), ("ep_op_s", False, ">= 0"),
     ("flops_per_s_large", False, "> 0"), ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
     ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"), ("shared_slowdown", False, "> 0"),
     ("busy_slowdown", False, "> 0"),
 )
 # a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
-MAY_BE_NULL = ("flops_per_s_large", "bytes_per_s_min", "alpha_min_s", "alpha_shared_s", "bytes_per_s_shared",
-               "shared_slowdown", "busy_slowdown")
+MAY_BE_NULL = ("cp_op_s", "ep_op_s", "flops_per_s_large", "bytes_per_s_min", "alpha_min_s", "alpha_shared_s",
+               "bytes_per_s_shared", "shared_slowdown", "busy_slowdown")
 
 
 def calibration_path() -> str:
@@ -495,7 +549,13 @@ def _fixed(cal: dict) -> str:
         return f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs"
     return (f"a tiny-model step costs {cal['step_overhead_s'] * 1e3:.1f} ms beyond its FLOPs and "
             f"{cal['microbatch_overhead_s'] * 1e3:.1f} ms per micro-batch "
-            f"({cal['op_s'] * 1e6:.1f} µs per small operation){_own(cal)}")
+            f"({cal['op_s'] * 1e6:.1f} µs per small operation{_op_costs(cal)}){_own(cal)}")
+
+
+def _op_costs(cal: dict) -> str:
+    if cal.get("cp_op_s") is None or cal.get("ep_op_s") is None:
+        return ""
+    return f"; ring attention's {cal['cp_op_s'] * 1e6:.1f}, a MoE's {cal['ep_op_s'] * 1e6:.1f}"
 
 
 def _own(cal: dict) -> str:
