@@ -92,6 +92,17 @@ def _names_used(code) -> tuple[set[str], set[str]]:
     return globals_, attributes
 
 
+def bound_names(fn) -> dict:
+    """What the names ``fn``'s code uses are bound to: its module's globals, and the cells it closes over."""
+    code, bound = getattr(fn, "__code__", None), dict(getattr(fn, "__globals__", {}))
+    for var, cell in zip(code.co_freevars if code is not None else (), getattr(fn, "__closure__", None) or ()):
+        try:
+            bound[var] = cell.cell_contents
+        except ValueError:  # pragma: no cover - a cell not filled yet
+            pass
+    return bound
+
+
 def refuse_own(name: str, fn, *own) -> None:
     """Refuse an answer that is one of minitp's own functions ``own``, or whose code calls one (by its
     name as an attribute, ``pp.one_f_one_b``, imported inside the answer, or as a global bound to it):
@@ -99,13 +110,8 @@ def refuse_own(name: str, fn, *own) -> None:
     Read from the answer's code, before it runs; nothing is replaced."""
     code = getattr(fn, "__code__", None)
     globals_, attributes = _names_used(code) if code is not None else (set(), set())
-    bound = dict(getattr(fn, "__globals__", {}))
-    for var, cell in zip(code.co_freevars if code is not None else (), getattr(fn, "__closure__", None) or ()):
-        try:
-            bound[var] = cell.cell_contents  # a name the answer closes over
-            globals_.add(var)
-        except ValueError:  # pragma: no cover - a cell not filled yet
-            pass
+    bound = bound_names(fn)
+    globals_ |= set(code.co_freevars if code is not None else ())  # the names the answer closes over
     for solution in own:
         where = f"{solution.__module__}.{solution.__qualname__}"
         if fn is solution:
@@ -133,12 +139,7 @@ def refuse_own_deep(name: str, fn, *own, depth: int = 3, _seen: set | None = Non
     code, home = getattr(fn, "__code__", None), getattr(fn, "__module__", None)
     if code is None:
         return
-    bound = dict(getattr(fn, "__globals__", {}))
-    for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        try:
-            bound[var] = cell.cell_contents
-        except ValueError:  # pragma: no cover - a cell not filled yet
-            pass
+    bound = bound_names(fn)
     names = set(code.co_names) | set(code.co_freevars)
     names |= {n for c in code.co_consts if hasattr(c, "co_names") for n in c.co_names}
     for used in sorted(names):
@@ -228,5 +229,5 @@ def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.
                             + (f" {hang_hint}" if hang_hint else "") + f"\n{err.summary}") from None
 
 
-__all__ = ["ExerciseError", "HANG_HINT", "NOT_DONE", "call_answer", "learner_frames", "not_implemented", "passed",
-           "refuse_own", "refuse_own_deep", "reset_tries", "run_answer", "show_expected", "wrong"]
+__all__ = ["ExerciseError", "HANG_HINT", "NOT_DONE", "bound_names", "call_answer", "learner_frames", "not_implemented",
+           "passed", "refuse_own", "refuse_own_deep", "reset_tries", "run_answer", "show_expected", "wrong"]

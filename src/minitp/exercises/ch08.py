@@ -28,6 +28,7 @@ from minitp import comm, cost, models, regions, trace
 from minitp.exercises import (
     ExerciseError,
     _names_used,
+    bound_names,
     passed,
     problems,
     refuse_own,
@@ -343,12 +344,7 @@ def _autograd_functions(fn) -> list:
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
-    bound = dict(getattr(fn, "__globals__", {}))
-    for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        try:
-            bound[var] = cell.cell_contents
-        except ValueError:  # pragma: no cover - a cell not filled yet
-            pass
+    bound = bound_names(fn)
     names = _names_used(code)[0] | set(code.co_freevars)
     return [value for name in sorted(names) if isinstance(value := bound.get(name), type)
             and issubclass(value, torch.autograd.Function) and not value.__module__.startswith("torch")]
