@@ -157,7 +157,7 @@ def device_from_calibration(cal: dict) -> Device:
                   op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"),
                   busy_slowdown=cal.get("busy_slowdown"), ddp_own_s=cal.get("ddp_own_s", 0.0),
                   fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0),
-                  cp_op_s=cal.get("cp_op_s", 0.0), ep_op_s=cal.get("ep_op_s", 0.0))
+                  cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0)  # null: not measured
 
 
 # -- compute ----------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ class StepTime:
     # Ulysses' all-to-alls, or the all-gathers and reduce-scatters: ``step_time(cp_attention=)``)
     cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute (the ring's only)
     ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch, combine and their gradients): never hidden
-    ops_s: float = 0.0  # the small operations cp and ep add (``strategy_ops``), at op_s each; inside compute_s
+    ops_s: float = 0.0  # the small operations cp and ep add (``strategy_ops``), at cp_op_s / ep_op_s each; in compute_s
 
 
 def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
@@ -349,7 +349,8 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
 
     The small operations cp and ep add to the plain model (``strategy_ops``: ring attention's
     per-chunk online-softmax updates and hand-overs, a MoE's routing, per-expert work and dispatch)
-    cost ``op_s`` each (``ops_s``, part of compute); DDP's, FSDP's (ZeRO-3) and tensor parallel's own
+    cost what ``minitp calibrate`` measured one of each to cost (``Device.cp_op_s``, ``ep_op_s``; ``op_s``
+    where not measured; ``ops_s``, part of compute); DDP's, FSDP's (ZeRO-3) and tensor parallel's own
     code costs what ``minitp calibrate`` measured at one rank per micro-batch (``Device.ddp_own_s``...,
     also part of compute); ``balanced``: context parallel's load-balanced
     chunks (the default) or contiguous slices.

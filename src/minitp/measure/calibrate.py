@@ -204,7 +204,7 @@ def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
     return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s, count_ops(batch // MICROBATCHES, seq))
 
 
-OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``own_work`` times at one rank
+OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``_own_work_worker`` times at one rank
 
 
 def _own_work_worker(repeats: int) -> dict:
@@ -235,16 +235,16 @@ def _own_work_worker(repeats: int) -> dict:
         "tp": (split, make_optimizer(split.parameters(), 1e-3),
                lambda logits, y: tp.vocab_parallel_cross_entropy(logits, y, None)),
     }
-    times, calls, trace = {name: [] for name in steps}, {}, _trace.current()
+    times, calls, trace = {name: [] for name in steps}, {}, _trace.current()  # a launched rank records
     for _ in range(repeats + 3):
         for name, (model, optimizer, loss) in steps.items():
-            first = len(trace.events) if trace else 0
+            first = len(trace.events)
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)
             loss(model(tokens), targets).backward()
             optimizer.step()
             times[name].append(time.perf_counter() - t0)
-            calls[name] = sum(e.kind == "comm" for e in trace.events[first:]) if trace else 0
+            calls[name] = sum(e.kind == "comm" for e in trace.events[first:])
     one, bare = torch.zeros(1), []
     for _ in range(4 * repeats):
         t0 = time.perf_counter()
