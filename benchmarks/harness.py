@@ -19,15 +19,38 @@ machine that slows down half-way moves both. The same is given for each phase. A
 sides' parameters are compared on every rank: if they differ by more than ``tol`` the comparison
 fails (``Diverged``), since a fast side that trains something else measures nothing.
 
-**The load gate**: before each comparison the harness waits (up to ``--wait``, 60 s) until the
-1-minute load average is at most ``--max-load`` (1.5); if it stays above, that comparison is not
-run and is recorded as skipped, with the load. The harness's own ranks raise the load too, so a
-comparison may wait for the one before it to fade.
+**The gate counts the others' load, not ours** (``wait_for_quiet``). Before each comparison the
+harness measures, over ``--sample`` seconds (1), the share of the machine that *other* processes
+keep busy: the busy CPU time of all cores (``/proc/stat``) less that of the harness and every
+process it started, over the CPU time all cores had. It runs the comparison once that share is at
+most ``--max-foreign`` (0.25), waiting up to ``--wait`` seconds (30); if it stays above, the row is
+recorded as skipped with the share it saw. Its own ranks do not count, so on a quiet machine a row
+waits one sample, not the minute a load average takes to forget the row before (the old gate kept
+``make bench`` from ever finishing). Why 0.25, half a core of 2: one light job beside the run (an
+editor, an idle notebook kernel, a language server) uses well under that and passes; a second build
+or test run takes a whole core (0.5 of 2), a core taken from ranks that already share two, and
+waits. Every measured row also records the foreign share during its own run (``foreign_share``), so
+a reader knows the load it ran under. Without ``/proc/stat`` (macOS, Windows) the gate falls back to
+the old one, the 1-minute load average at most ``--max-load`` (1.5), which the harness's own ranks
+raise too; the row's ``gate`` says which gate it passed.
 
-    python benchmarks/harness.py [--only ddp,ring] [--models tiny,small] [--max-load 1.5] [--quick]
+**A run that finishes.** 25 comparisons take about 10 minutes on 2 quiet cores. Once the run has
+spent ``--budget-s`` (1200), the comparisons left are recorded as skipped, not run, and one still
+running then is stopped (its launch's timeout) and recorded as skipped too: a run ends within its
+budget, give or take a few seconds. A comparison that raises (a rank's error, ``Diverged``) is
+recorded with the error's first line and the run goes on. Every row that has no figures says why in
+``skipped``.
 
-prints one JSON line per comparison as it finishes, then a table, and writes ``--out`` (the lines,
-with the machine and date) and a Markdown table next to it.
+**Written as it goes** (``save``). After every comparison, ``--out`` (one JSON document: the
+machine, the date, the settings, ``"finished": false`` until the last row, and the rows so far) and
+the Markdown table beside it are rewritten whole, each to a temporary file renamed over the old one
+(``os.replace``): either file is complete and valid at every moment, and a run cut short keeps what
+it measured.
+
+    python benchmarks/harness.py [--only ddp,ring] [--models tiny,small] [--max-foreign 0.25]
+                                 [--wait 30] [--budget-s 1200] [--quick] [--out build/bench.json]
+
+prints one JSON line per comparison as it finishes, then the table.
 """
 
 from __future__ import annotations
@@ -54,7 +77,10 @@ PHASES = ("step", "optimize")  # forward + backward (+ their messages); the opti
 TARGETS = {"ring": 1.15, "ddp": 1.0, "fsdp": 0.8, "tp": 0.8, "pp": 1.0, "train": 1.05}
 BENCHMARKS = ("ring", "ddp", "fsdp", "tp", "pp", "train")  # modules bench_<name>.py, in the order they run
 ROUNDS, STEPS, WARMUP = 11, 2, 3  # the defaults: every row, tiny and small alike
-MAX_LOAD, WAIT_S, POLL_S = 1.5, 60.0, 2.0  # the load gate
+MAX_FOREIGN, SAMPLE_S, WAIT_S = 0.25, 1.0, 30.0  # the gate: others' share of the machine, over 1-s samples
+MAX_LOAD, POLL_S = 1.5, 2.0  # the gate without /proc/stat: the 1-minute load average
+BUDGET_S = 1200.0  # the whole run's seconds; the comparisons left after are recorded as skipped
+RUN_TIMEOUT_S = 600.0  # one comparison, its gate's wait and its launch, at most
 
 
 class Diverged(AssertionError):
@@ -163,21 +189,127 @@ def loadavg() -> list[float]:
     return [round(float(x), 2) for x in os.getloadavg()]
 
 
-def wait_for_quiet(max_load: float, wait_s: float = WAIT_S, poll_s: float = POLL_S,
-                   clock: Callable[[], float] | None = None,
-                   sleep: Callable[[float], None] | None = None) -> tuple[bool, float, float]:
-    """Wait until the 1-minute load average (``os.getloadavg``) is at most ``max_load``, polling
-    every ``poll_s``, for at most ``wait_s`` seconds (``clock`` and ``sleep``: time.monotonic and
-    time.sleep unless given). Returns (quiet enough, the last 1-minute load, seconds waited)."""
+def proc_stat(path: str = "/proc/stat") -> tuple[float, float] | None:
+    """All cores' CPU seconds since boot, (busy, total), from /proc/stat's first line: busy is user,
+    nice, system, irq, softirq and steal (a hypervisor's other guests count as others' load), total
+    adds idle and iowait. None where there is no /proc/stat (macOS, Windows)."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    busy = user + nice + system + irq + softirq + steal
+    tick = os.sysconf("SC_CLK_TCK")
+    return busy / tick, (busy + idle + iowait) / tick
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and every process it started: the live ones read
+    directly, the ended ones through what the kernel adds to their parent's children's times when it
+    reaps them (psutil: a dev dependency, which ``make install`` installs)."""
+    import psutil
+
+    me = psutil.Process()
+    total = _cpu_seconds(me)
+    for child in me.children(recursive=True):
+        try:
+            total += _cpu_seconds(child)
+        except psutil.Error:  # it ended between the listing and the reading
+            continue
+    return total
+
+
+def _cpu_seconds(process) -> float:
+    """A process's own CPU seconds and those of the children it has reaped."""
+    times = process.cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@dataclass
+class Cpu:
+    """Where the gate reads CPU time (tests give made-up readers): ``machine()``, all cores' (busy,
+    total) seconds; ``own()``, the harness's own tree's seconds; ``cores``, for the messages."""
+
+    machine: Callable[[], tuple[float, float] | None] = proc_stat
+    own: Callable[[], float] = own_cpu_seconds
+    cores: int = os.cpu_count() or 1
+
+    def sample(self) -> tuple[float, float, float] | None:
+        """(busy, total, own) CPU seconds now; None without /proc/stat."""
+        machine = self.machine()
+        if machine is None:
+            return None
+        return machine[0], machine[1], self.own()
+
+
+def foreign_share(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """The share of the machine (0 to 1) that other processes kept busy between two ``Cpu.sample``s:
+    all cores' busy seconds less the harness tree's own, over the seconds all cores had."""
+    busy = after[0] - before[0]
+    total = after[1] - before[1]
+    own = after[2] - before[2]
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (busy - own) / total))
+
+
+@dataclass
+class Gate:
+    """What the gate found: ``quiet`` (run the comparison), the seconds it waited, what it saw (for
+    the row) and, when not quiet, why (the row's reason for being skipped)."""
+
+    quiet: bool
+    waited: float
+    seen: dict
+    why: str = ""
+
+
+def wait_for_quiet(max_foreign: float = MAX_FOREIGN, wait_s: float = WAIT_S, sample_s: float = SAMPLE_S,
+                   max_load: float = MAX_LOAD, clock: Callable[[], float] | None = None,
+                   sleep: Callable[[float], None] | None = None, cpu: Cpu | None = None) -> Gate:
+    """Sample the machine every ``sample_s`` seconds until other processes use at most
+    ``max_foreign`` of it, for at most ``wait_s`` seconds (``clock``, ``sleep``, ``cpu``:
+    time.monotonic, time.sleep and the real readers unless given). The harness's own ranks do not
+    count, so a quiet machine passes after one sample. Without /proc/stat: ``wait_for_load``."""
+    clock, sleep, cpu = clock or time.monotonic, sleep or time.sleep, cpu or Cpu()
+    start = clock()
+    first = cpu.sample()
+    if first is None:
+        return wait_for_load(max_load, wait_s, clock=clock, sleep=sleep)
+    last = first
+    while True:
+        sleep(sample_s)
+        now = cpu.sample()
+        share = foreign_share(last, now)
+        waited = clock() - start
+        if share <= max_foreign:
+            return Gate(True, waited, {"by": "others' CPU", "foreign_share": round(share, 3)})
+        if waited >= wait_s:
+            mean = foreign_share(first, now)
+            why = (f"other processes used {mean * cpu.cores:.1f} of {cpu.cores} cores (more than "
+                   f"{max_foreign:g} of the machine) for {waited:.0f} s")
+            return Gate(False, waited, {"by": "others' CPU", "foreign_share": round(mean, 3)}, why)
+        last = now
+
+
+def wait_for_load(max_load: float, wait_s: float = WAIT_S, poll_s: float = POLL_S,
+                  clock: Callable[[], float] | None = None,
+                  sleep: Callable[[float], None] | None = None) -> Gate:
+    """The gate where there is no /proc/stat: wait until the 1-minute load average
+    (``os.getloadavg``) is at most ``max_load``, polling every ``poll_s``, for at most ``wait_s``
+    seconds. The harness's own ranks raise that load too, so a row may wait for the one before."""
     clock, sleep = clock or time.monotonic, sleep or time.sleep
+    by = "1-minute load average (no /proc/stat)"
     start = clock()
     while True:
         now = os.getloadavg()[0]
         waited = clock() - start
         if now <= max_load:
-            return True, now, waited
+            return Gate(True, waited, {"by": by, "load": now})
         if waited >= wait_s:
-            return False, now, waited
+            why = f"1-minute load {now:.2f} stayed above {max_load:g} for {waited:.0f} s (no /proc/stat)"
+            return Gate(False, waited, {"by": by, "load": now}, why)
         sleep(min(poll_s, wait_s - waited))
 
 
@@ -253,12 +385,21 @@ def summarize(comparison: Comparison, per_rank: list[dict], load_before: list[fl
     return line
 
 
-def skipped(comparison: Comparison, load_now: float, waited: float, max_load: float) -> dict:
-    """The line of a comparison the load gate refused: recorded, not timed."""
-    return {"name": comparison.name, "model": comparison.model, "ranks": comparison.ranks,
-            "skipped": f"1-minute load {load_now:.2f} stayed above {max_load:g} for {waited:.0f} s",
-            "target": TARGETS.get(comparison.kind), "note": comparison.note,
-            "loadavg": {"before": loadavg()}, "machine": machine()}
+def skipped(comparison: Comparison, why: str, gate: Gate | None = None) -> dict:
+    """The line of a comparison that has no figures: refused by the gate, past the run's budget, or
+    failed; ``why`` says which."""
+    line = {"name": comparison.name, "model": comparison.model, "ranks": comparison.ranks, "skipped": why,
+            "target": TARGETS.get(comparison.kind), "note": comparison.note}
+    if gate is not None:
+        line["gate"] = {**gate.seen, "waited_s": round(gate.waited, 1)}
+    line.update({"loadavg": {"before": loadavg()}, "machine": machine()})
+    return line
+
+
+def first_line(error: BaseException) -> str:
+    """'Diverged: ddp/one-bucket on tiny: the two sides' parameters differ ...': what a failed row says."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def timing_for(comparison: Comparison, rounds: int, steps: int, warmup: int, quick: bool = False) -> dict:
@@ -269,22 +410,30 @@ def timing_for(comparison: Comparison, rounds: int, steps: int, warmup: int, qui
     return timing
 
 
-def run_comparison(comparison: Comparison, rounds: int, steps: int, warmup: int, timeout: float = 600,
-                   quick: bool = False, max_load: float = MAX_LOAD, wait_s: float = WAIT_S,
-                   clock: Callable[[], float] | None = None, sleep: Callable[[float], None] | None = None) -> dict:
-    """Wait for a quiet machine, launch one comparison on its ranks and summarize it (or record it
-    as skipped, not run, if the load stays above ``max_load``)."""
+def run_comparison(comparison: Comparison, rounds: int, steps: int, warmup: int,
+                   timeout: float = RUN_TIMEOUT_S, quick: bool = False, max_foreign: float = MAX_FOREIGN,
+                   max_load: float = MAX_LOAD, wait_s: float = WAIT_S, sample_s: float = SAMPLE_S,
+                   clock: Callable[[], float] | None = None, sleep: Callable[[float], None] | None = None,
+                   cpu: Cpu | None = None) -> dict:
+    """Wait for a quiet machine (``wait_for_quiet``), launch one comparison on its ranks and
+    summarize it, with the share of the machine other processes used while it ran; or record it as
+    skipped, not run, if the machine stays busy. ``timeout``: seconds for the whole comparison, the
+    gate's wait included. Raises what the comparison raises."""
     from minitp.launcher import launch
 
-    quiet, now, waited = wait_for_quiet(max_load, wait_s, clock=clock, sleep=sleep)
-    if not quiet:
-        return skipped(comparison, now, waited, max_load)
+    cpu = cpu or Cpu()
+    gate = wait_for_quiet(max_foreign, wait_s, sample_s, max_load, clock=clock, sleep=sleep, cpu=cpu)
+    if not gate.quiet:
+        return skipped(comparison, gate.why, gate)
     timing = timing_for(comparison, rounds, steps, warmup, quick)
     load = loadavg()
+    before = cpu.sample()
     per_rank = launch(comparison.worker, comparison.ranks, *comparison.args, *timing.values(),
-                      echo=False, timeout=timeout)
+                      echo=False, timeout=max(timeout - gate.waited, 1.0))
+    after = cpu.sample()
     line = summarize(comparison, list(per_rank), load)
-    line["waited_s"] = round(waited, 1)
+    line["gate"] = {**gate.seen, "waited_s": round(gate.waited, 1)}
+    line["foreign_share"] = None if before is None or after is None else round(foreign_share(before, after), 3)
     return line
 
 
@@ -300,21 +449,27 @@ def _ms(part: dict | None) -> str:
     return f"{part['minitp_ms']:.1f} / {part['torch_ms']:.1f}"
 
 
+def _share(x: dict) -> str:
+    share = x.get("foreign_share")
+    return "–" if share is None else f"{share:.2f}"
+
+
 def table(lines: list[dict]) -> str:
     """The comparisons as a Markdown table: per phase, minitp's and torch's milliseconds and the
-    median paired ratio with its interquartile range."""
+    median paired ratio with its interquartile range; last, the share of the machine other processes
+    used during the row."""
     rows = ["| comparison | model | ranks | fwd+bwd ms minitp / torch | ratio (IQR) | optimizer ms minitp / torch "
-            "| ratio (IQR) | whole step ms minitp / torch | ratio (IQR) | target |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| ratio (IQR) | whole step ms minitp / torch | ratio (IQR) | target | others' share |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in lines:
         head = f"| {x['name']} | {x['model']} | {x['ranks']} |"
         if "skipped" in x:
-            rows.append(f"{head} skipped: {x['skipped']} | | | | | | |")
+            rows.append(f"{head} skipped: {x['skipped']} | | | | | | | |")
             continue
         target = x["target"]
         verdict = "" if target is None else f"≤ {target} {'met' if x['ratio'] <= target else 'not met'}"
         rows.append(f"{head} {_ms(x['step'])} | {_ratio(x['step'])} | {_ms(x['optimize'])} | "
-                    f"{_ratio(x['optimize'])} | {_ms(x)} | {_ratio(x)} | {verdict} |")
+                    f"{_ratio(x['optimize'])} | {_ms(x)} | {_ratio(x)} | {verdict} | {_share(x)} |")
     return "\n".join(rows)
 
 
@@ -325,51 +480,112 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per side per round")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per side first")
+    parser.add_argument("--max-foreign", type=float, default=MAX_FOREIGN,
+                        help="run a comparison only once other processes use at most this share of the machine "
+                             "(0 to 1; the harness and its ranks do not count)")
+    parser.add_argument("--sample", type=float, default=SAMPLE_S,
+                        help="seconds over which the gate measures the others' share")
     parser.add_argument("--max-load", type=float, default=MAX_LOAD,
-                        help="run a comparison only once the 1-minute load average is at most this")
+                        help="only where there is no /proc/stat: run a comparison once the 1-minute load average "
+                             "is at most this")
     parser.add_argument("--wait", type=float, default=WAIT_S,
-                        help="seconds to wait for that load before skipping the comparison")
+                        help="seconds to wait for a quiet machine before skipping the comparison")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="seconds for the whole run: the comparisons left after are recorded as skipped")
     parser.add_argument("--quick", action="store_true",
                         help="2 rounds of 1 step after 1 warm-up step: checks that everything runs (no figures)")
-    parser.add_argument("--out", default="build/bench.json")
+    parser.add_argument("--out", default="build/bench.json",
+                        help="the JSON report, rewritten after every comparison; the Markdown table beside it")
     return parser
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def load_comparisons(parser: argparse.ArgumentParser, only: str, models: str) -> list[Comparison]:
+    """The comparisons of the benchmarks named in ``only`` (modules bench_<name>.py), in order."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    comparisons = []
+    for name in only.split(","):
+        if name not in BENCHMARKS:
+            parser.error(f"unknown benchmark {name!r}; expected some of {', '.join(BENCHMARKS)}")
+        module = importlib.import_module(f"bench_{name}")
+        comparisons += module.comparisons(models.split(","))
+    return comparisons
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file renamed over it."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def markdown(report: dict) -> str:
+    """The report as a header line and the table."""
+    m = report["machine"]
+    done = "" if report["finished"] else f"; unfinished: {len(report['comparisons'])} of {report['planned']} rows"
+    header = (f"{report['date']}, {m['cores']} cores, torch {m['torch']}, {m['backend']}, "
+              f"{m['threads_per_rank']} thread per rank; {report['seconds']:.0f} s in all{done}; each comparison "
+              f"started once other processes used at most {report['max_foreign']:g} of the machine; ratios are "
+              f"minitp / torch, the median of paired rounds (interquartile range)"
+              + ("; --quick: not figures" if report["quick"] else ""))
+    return f"{header}\n\n{table(report['comparisons'])}\n"
+
+
+def save(out: Path, report: dict) -> None:
+    """Rewrite ``out`` (the JSON report) and the Markdown table beside it, each whole (``_replace``):
+    both are complete and valid at every moment, whenever the run stops."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _replace(out, json.dumps(report, indent=1) + "\n")
+    _replace(out.with_suffix(".md"), markdown(report))
+
+
+def main(argv: list[str] | None = None, comparisons: list[Comparison] | None = None,
+         clock: Callable[[], float] | None = None) -> list[dict]:
+    """Run the comparisons one after another (``comparisons``: those of ``--only`` unless given;
+    ``clock``: time.monotonic, for the budget), saving the report after each."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 1, 1
-    sys.path.insert(0, str(Path(__file__).parent))
-    comparisons = []
-    for name in args.only.split(","):
-        if name not in BENCHMARKS:
-            parser.error(f"unknown benchmark {name!r}; expected some of {', '.join(BENCHMARKS)}")
-        module = importlib.import_module(f"bench_{name}")
-        comparisons += module.comparisons(args.models.split(","))
-    started, date = time.time(), datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = []
+    if comparisons is None:
+        comparisons = load_comparisons(parser, args.only, args.models)
+    clock = clock or time.monotonic
+    started, date = clock(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = Path(args.out)
+    report = {"date": date, "machine": machine(), "seconds": 0.0, "finished": False, "planned": len(comparisons),
+              "max_foreign": args.max_foreign, "max_load": args.max_load, "wait_s": args.wait,
+              "budget_s": args.budget_s, "quick": args.quick, "comparisons": []}
     for comparison in comparisons:
-        line = run_comparison(comparison, args.rounds, args.steps, args.warmup, quick=args.quick,
-                              max_load=args.max_load, wait_s=args.wait)
+        line = run_within_budget(comparison, args, started, clock)
         if "skipped" in line:
             print(f"{comparison.name} on {comparison.model} skipped: {line['skipped']}", file=sys.stderr, flush=True)
         print(json.dumps(line), flush=True)
-        lines.append(line)
-    report = {"date": date, "machine": machine(), "seconds": round(time.time() - started, 1),
-              "max_load": args.max_load, "quick": args.quick, "comparisons": lines}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    m = report["machine"]
-    header = (f"{report['date']}, {m['cores']} cores, torch {m['torch']}, {m['backend']}, "
-              f"{m['threads_per_rank']} thread per rank; {report['seconds']:.0f} s in all; each comparison "
-              f"started at a 1-minute load ≤ {args.max_load:g}; ratios are minitp / torch, the median of "
-              f"paired rounds (interquartile range)" + ("; --quick: not figures" if args.quick else ""))
-    text = f"{header}\n\n{table(lines)}\n"
-    out.with_suffix(".md").write_text(text)
-    print("\n" + text)
-    return lines
+        report["comparisons"].append(line)
+        report["seconds"] = round(clock() - started, 1)
+        save(out, report)
+    report["finished"] = True
+    save(out, report)
+    print("\n" + markdown(report))
+    return report["comparisons"]
+
+
+def run_within_budget(comparison: Comparison, args: argparse.Namespace, started: float,
+                      clock: Callable[[], float]) -> dict:
+    """One comparison's line: skipped if the run's budget is spent; else run, its gate's wait and
+    its launch's timeout cut to the budget left; an error it raises becomes its line's reason."""
+    budget = f"the run's budget of {args.budget_s:g} s"
+    left = args.budget_s - (clock() - started)
+    if left <= 0:
+        return skipped(comparison, f"{budget} was spent")
+    try:
+        return run_comparison(comparison, args.rounds, args.steps, args.warmup, timeout=min(RUN_TIMEOUT_S, left),
+                              quick=args.quick, max_foreign=args.max_foreign, max_load=args.max_load,
+                              wait_s=min(args.wait, left), sample_s=args.sample, clock=clock)
+    except Exception as error:  # one comparison's failure is its row, not the end of the run
+        from minitp.launcher import LaunchTimeout
+
+        if isinstance(error, LaunchTimeout) and clock() - started >= args.budget_s:
+            return skipped(comparison, f"{budget} ran out while it ran")
+        return skipped(comparison, f"it raised {first_line(error)}")
 
 
 if __name__ == "__main__":

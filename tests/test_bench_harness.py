@@ -1,5 +1,5 @@
-"""The benchmark harness's logic (benchmarks/harness.py), on recorded timings, a made-up load and a
-trivial run: no benchmark runs here and nothing depends on how fast this machine is."""
+"""The benchmark harness's logic (benchmarks/harness.py), on recorded timings, made-up CPU readings and
+a trivial run: no benchmark runs here and nothing depends on how fast this machine is."""
 
 import json
 import math
@@ -99,13 +99,13 @@ def test_parameters_that_differ_in_names_or_shapes_count_as_diverged():
     assert harness.max_abs_diff(a, {"w": torch.zeros(4)}) == math.inf
 
 
-# -- the load gate ------------------------------------------------------------------------------------
+# -- the gate: the others' share of the machine -------------------------------------------------------
 
 
 class _FakeTime:
     """A clock that only moves when slept on, and a load average that follows a script."""
 
-    def __init__(self, monkeypatch, loads):
+    def __init__(self, monkeypatch, loads=(0.0,)):
         self.now, self.loads, self.slept = 100.0, list(loads), []
         monkeypatch.setattr(harness.os, "getloadavg", self.load)
 
@@ -121,44 +121,206 @@ class _FakeTime:
         self.now += seconds
 
 
-def test_the_gate_waits_for_the_load_to_fall_then_lets_the_comparison_run(monkeypatch):
+class _FakeCpu(harness.Cpu):
+    """Made-up /proc/stat and own-tree readings on 2 cores: over each second slept, the harness's
+    tree uses ``own`` cores and other processes ``others`` (the last pair repeats)."""
+
+    def __init__(self, fake_time, loads):
+        super().__init__(machine=self.read_machine, own=self.read_own, cores=2)
+        self.time, self.loads = fake_time, list(loads)
+        self.busy = self.total = self.own_s = 0.0
+        self.seen = fake_time.now
+
+    def advance(self):
+        """Run the machine up to the fake clock at the next scripted load."""
+        seconds = self.time.now - self.seen
+        self.seen = self.time.now
+        if seconds:
+            own, others = self.loads.pop(0) if len(self.loads) > 1 else self.loads[0]
+            self.busy += (own + others) * seconds
+            self.total += 2 * seconds
+            self.own_s += own * seconds
+
+    def read_machine(self):
+        self.advance()
+        return self.busy, self.total
+
+    def read_own(self):
+        return self.own_s
+
+
+def test_the_gate_passes_when_only_the_harnesss_own_tree_is_busy(monkeypatch):
+    fake = _FakeTime(monkeypatch, [9.0])  # a load average that would have kept the old gate shut
+    cpu = _FakeCpu(fake, [(2.0, 0.0)])  # the harness's ranks keep both cores busy, nothing else runs
+    gate = harness.wait_for_quiet(0.25, wait_s=30, sample_s=1, clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert gate.quiet and gate.waited == 1 and fake.slept == [1]  # one sample
+    assert gate.seen == {"by": "others' CPU", "foreign_share": 0.0}
+
+
+def test_one_light_job_beside_the_run_passes_the_default_threshold(monkeypatch):
+    fake = _FakeTime(monkeypatch)
+    cpu = _FakeCpu(fake, [(0.1, 0.4)])  # an editor or a notebook kernel: 0.4 of a core
+    gate = harness.wait_for_quiet(clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert gate.quiet and gate.seen["foreign_share"] == pytest.approx(0.2)
+
+
+def test_the_gate_refuses_while_other_processes_are_busy(monkeypatch):
+    fake = _FakeTime(monkeypatch)
+    cpu = _FakeCpu(fake, [(0.6, 1.3)])  # another job keeps 1.3 cores busy
+    gate = harness.wait_for_quiet(0.25, wait_s=30, sample_s=1, clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert not gate.quiet and gate.waited == 30 and sum(fake.slept) == 30
+    assert gate.why == "other processes used 1.3 of 2 cores (more than 0.25 of the machine) for 30 s"
+    assert gate.seen["foreign_share"] == pytest.approx(0.65)
+
+
+def test_the_gate_waits_for_the_other_job_to_end(monkeypatch):
+    fake = _FakeTime(monkeypatch)
+    cpu = _FakeCpu(fake, [(0.0, 2.0), (0.0, 2.0), (0.0, 2.0), (0.0, 0.1)])
+    gate = harness.wait_for_quiet(0.25, wait_s=30, sample_s=1, clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert gate.quiet and gate.waited == 4 and gate.seen["foreign_share"] == pytest.approx(0.05)
+
+
+def test_proc_stat_counts_busy_and_total_cpu_seconds(tmp_path):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice, then a core's own line
+    stat.write_text("cpu  100 20 30 400 50 6 7 8 90 9\ncpu0 100 20 30 400 50 6 7 8 90 9\n")
+    tick = harness.os.sysconf("SC_CLK_TCK")
+    assert harness.proc_stat(str(stat)) == (pytest.approx(171 / tick), pytest.approx(621 / tick))
+    assert harness.proc_stat(str(tmp_path / "missing")) is None
+
+
+def test_the_own_tree_includes_processes_the_harness_started_and_reaped():
+    import subprocess
+
+    before = harness.own_cpu_seconds()
+    # a child that burns 0.3 s of CPU time (however long that takes here), then is reaped
+    subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass"], check=True)
+    assert harness.own_cpu_seconds() - before >= 0.25
+
+
+def test_without_proc_stat_the_old_load_gate_decides_and_the_row_says_so(monkeypatch):
     fake = _FakeTime(monkeypatch, [3.0, 2.2, 1.4])
-    quiet, load, waited = harness.wait_for_quiet(1.5, wait_s=60, poll_s=5, clock=fake.clock, sleep=fake.sleep)
-    assert quiet and load == 1.4 and waited == 10
-    assert fake.slept == [5, 5]
+    cpu = harness.Cpu(machine=lambda: None, own=lambda: 0.0)
+    gate = harness.wait_for_quiet(max_load=1.5, wait_s=60, clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert gate.quiet and gate.waited == 4 and fake.slept == [2, 2]
+    assert gate.seen == {"by": "1-minute load average (no /proc/stat)", "load": 1.4}
 
 
-def test_the_gate_gives_up_at_its_bound(monkeypatch):
+def test_the_load_gate_gives_up_at_its_bound(monkeypatch):
     fake = _FakeTime(monkeypatch, [2.5])
-    quiet, load, waited = harness.wait_for_quiet(1.5, wait_s=60, poll_s=7, clock=fake.clock, sleep=fake.sleep)
-    assert not quiet and load == 2.5 and waited == 60
+    gate = harness.wait_for_load(1.5, wait_s=60, poll_s=7, clock=fake.clock, sleep=fake.sleep)
+    assert not gate.quiet and gate.seen["load"] == 2.5 and gate.waited == 60
     assert sum(fake.slept) == 60 and max(fake.slept) == 7  # the last wait cut to the bound
-
-
-def test_a_quiet_machine_is_not_waited_for(monkeypatch):
-    fake = _FakeTime(monkeypatch, [0.3])
-    assert harness.wait_for_quiet(1.5, clock=fake.clock, sleep=fake.sleep) == (True, 0.3, 0.0)
-    assert fake.slept == []
+    assert gate.why == "1-minute load 2.50 stayed above 1.5 for 60 s (no /proc/stat)"
 
 
 def test_a_comparison_the_gate_refuses_is_recorded_as_skipped_and_not_run(monkeypatch):
-    fake = _FakeTime(monkeypatch, [3.2])
+    fake = _FakeTime(monkeypatch)
+    cpu = _FakeCpu(fake, [(0.0, 1.5)])
 
     def never(*args, **kwargs):
         raise AssertionError("a refused comparison must not run")
 
     comparison = harness.Comparison("ddp/one-bucket", "small", 4, worker=never)
-    line = harness.run_comparison(comparison, 11, 2, 3, max_load=1.5, wait_s=60, clock=fake.clock, sleep=fake.sleep)
-    assert line["skipped"] == "1-minute load 3.20 stayed above 1.5 for 60 s"
-    assert "ratio" not in line and "minitp_ms" not in line
+    line = harness.run_comparison(comparison, 11, 2, 3, wait_s=30, clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert line["skipped"] == "other processes used 1.5 of 2 cores (more than 0.25 of the machine) for 30 s"
+    assert line["gate"]["waited_s"] == 30 and "ratio" not in line and "minitp_ms" not in line
     row = harness.table([line]).splitlines()[-1]
-    assert row.startswith("| ddp/one-bucket | small | 4 | skipped: 1-minute load 3.20")
+    assert row.startswith("| ddp/one-bucket | small | 4 | skipped: other processes used 1.5 of 2 cores")
 
 
-def test_the_command_line_takes_a_load_threshold_and_a_bound():
-    assert (harness.make_parser().parse_args([]).max_load, harness.make_parser().parse_args([]).wait) == (1.5, 60)
-    args = harness.make_parser().parse_args(["--max-load", "2.5", "--wait", "30"])
-    assert (args.max_load, args.wait) == (2.5, 30)
+def test_a_measured_row_records_the_others_share_during_its_run(monkeypatch):
+    import minitp.launcher
+
+    fake = _FakeTime(monkeypatch)
+    cpu = _FakeCpu(fake, [(0.0, 0.2)])
+
+    def launch(worker, ranks, *args, timeout, **kwargs):
+        assert timeout == 99  # the comparison's 100 s, less the gate's one sample
+        cpu.loads = [(1.8, 0.2)]  # while the ranks run (10 s), another job takes 0.2 of a core
+        fake.now += 10
+        return [_rank([[0.01]] * 3, [[0.02]] * 3)] * ranks
+
+    monkeypatch.setattr(minitp.launcher, "launch", launch)
+    line = harness.run_comparison(_comparison(), 3, 1, 0, timeout=100, clock=fake.clock, sleep=fake.sleep, cpu=cpu)
+    assert line["gate"] == {"by": "others' CPU", "foreign_share": 0.1, "waited_s": 1.0}
+    assert line["foreign_share"] == pytest.approx(0.1) and line["ratio"] == pytest.approx(0.5)
+    assert harness.table([line]).splitlines()[-1].endswith("| 0.10 |")
+
+
+def test_the_command_line_takes_the_gate_and_the_budget():
+    args = harness.make_parser().parse_args([])
+    assert (args.max_foreign, args.wait, args.max_load, args.budget_s) == (0.25, 30, 1.5, 1200)
+    args = harness.make_parser().parse_args(["--max-foreign", "0.4", "--wait", "10", "--budget-s", "600"])
+    assert (args.max_foreign, args.wait, args.budget_s) == (0.4, 10, 600)
+
+
+# -- a run that finishes, written as it goes ----------------------------------------------------------
+
+
+def _names(n):
+    return [harness.Comparison(f"ring/{k}", "tiny", 2, worker=None) for k in range(n)]
+
+
+def _measured(comparison):
+    return {**harness.summarize(comparison, [_rank([[0.01]], [[0.02]])], [0.0, 0.0, 0.0]), "foreign_share": 0.0}
+
+
+def test_each_row_is_saved_before_the_next_comparison_and_an_error_is_a_row(monkeypatch, tmp_path):
+    out = tmp_path / "bench.json"
+    calls = []
+
+    def run_comparison(comparison, *args, **kwargs):
+        calls.append(comparison.name)
+        if comparison.name == "ring/1":
+            saved = json.loads(out.read_text())  # the first row is on disk, whole, before this one runs
+            assert [x["name"] for x in saved["comparisons"]] == ["ring/0"] and not saved["finished"]
+            assert "| ring/0 | tiny | 2 |" in out.with_suffix(".md").read_text()
+            raise RuntimeError("a rank died\nits long traceback")
+        return _measured(comparison)
+
+    monkeypatch.setattr(harness, "run_comparison", run_comparison)
+    lines = harness.main(["--out", str(out)], comparisons=_names(3))
+    assert calls == ["ring/0", "ring/1", "ring/2"]  # the error did not end the run
+    assert lines[1]["skipped"] == "it raised RuntimeError: a rank died"
+    saved = json.loads(out.read_text())
+    assert saved["finished"] and saved["planned"] == 3 and len(saved["comparisons"]) == 3
+    assert "ratio" in saved["comparisons"][2]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_budget_skips_the_comparisons_left_with_a_reason(monkeypatch, tmp_path):
+    now = [0.0]
+    timeouts = []
+
+    def run_comparison(comparison, *args, timeout, wait_s, **kwargs):
+        timeouts.append((timeout, wait_s))
+        now[0] += 500  # each comparison takes 500 s
+        return _measured(comparison)
+
+    monkeypatch.setattr(harness, "run_comparison", run_comparison)
+    lines = harness.main(["--out", str(tmp_path / "b.json"), "--budget-s", "1200"], comparisons=_names(5),
+                         clock=lambda: now[0])
+    assert ["skipped" in x for x in lines] == [False, False, False, True, True]
+    assert lines[3]["skipped"] == "the run's budget of 1200 s was spent"
+    assert timeouts == [(600, 30), (600, 30), (200, 30)]  # the last one cut to the budget left
+    assert json.loads((tmp_path / "b.json").read_text())["finished"]
+
+
+def test_a_comparison_the_budget_cuts_short_is_skipped_with_that_reason(monkeypatch, tmp_path):
+    from minitp.launcher import LaunchTimeout
+
+    now = [0.0]
+
+    def run_comparison(comparison, *args, timeout, **kwargs):
+        now[0] += timeout
+        raise LaunchTimeout(f"launch timed out after {timeout:g} s", {})
+
+    monkeypatch.setattr(harness, "run_comparison", run_comparison)
+    lines = harness.main(["--out", str(tmp_path / "b.json"), "--budget-s", "100"], comparisons=_names(2),
+                         clock=lambda: now[0])
+    assert [x["skipped"] for x in lines] == ["the run's budget of 100 s ran out while it ran",
+                                            "the run's budget of 100 s was spent"]
 
 
 # -- the same timing and the same work on every row ---------------------------------------------------

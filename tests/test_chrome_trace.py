@@ -6,8 +6,9 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from minitp import cli, launch
+from minitp import cli, launch, trainer
 from minitp import trace as _trace
+from minitp.data import COURSE_CORPUS
 from minitp.runs import data_parallel
 from minitp.viz.chrome_trace import chrome_trace, report_coords
 
@@ -103,6 +104,74 @@ def test_each_send_has_an_arrow_to_the_receive_that_took_it(run):
     ends = {e["id"]: e for e in events if e["ph"] == "f"}
     assert len(starts) == len(ends) == 2 and set(starts) == set(ends)
     assert all(starts[i]["pid"] == 0 and ends[i]["pid"] == 1 for i in starts)
+
+
+def _arrows(data: dict) -> list[tuple[dict, dict]]:
+    """Each arrow's two ends: (the flow start at the send, the flow end at the receive)."""
+    starts = {e["id"]: e for e in data["traceEvents"] if e["ph"] == "s"}
+    ends = {e["id"]: e for e in data["traceEvents"] if e["ph"] == "f"}
+    assert set(starts) == set(ends)
+    return [(starts[i], ends[i]) for i in sorted(starts)]
+
+
+def _slice_at(data: dict, end: dict) -> dict:
+    """The innermost slice on the thread of an arrow's end that holds its time (what a viewer ties it to)."""
+    around = [e for e in data["traceEvents"] if e["ph"] == "X" and (e["pid"], e["tid"]) == (end["pid"], end["tid"])
+              and e["ts"] <= end["ts"] <= e["ts"] + e["dur"]]
+    assert around, f"an arrow's end at {end['ts']} µs lies in no slice of its thread"
+    return max(around, key=lambda e: e["ts"])
+
+
+def test_an_arrow_lands_where_a_receive_posted_early_completes():
+    """A pipeline posts its receives as the step starts (irecv) and waits on each when it needs it: the
+    arrow leaves as the send starts and lands as the receive completes, never before it left."""
+    def message(rank, op, peer, start, end):
+        return _trace.Event(rank, "comm", op, "pp/forward/mb0", start, end, group=(0, 1), dim="pp", peer=peer,
+                            bytes=8)
+
+    data = chrome_trace([[message(0, "send", 1, 5.0, 9.0)], [message(1, "recv", 0, 1.0, 6.0)]])
+    ((leaves, lands),) = _arrows(data)
+    assert _slice_at(data, leaves)["args"]["op"] == "send" and leaves["pid"] == 0
+    assert _slice_at(data, lands)["args"]["op"] == "recv" and lands["pid"] == 1
+    assert leaves["ts"] == pytest.approx(4e6, abs=2) and lands["ts"] == pytest.approx(5e6, abs=2)  # t0: 1 s
+
+
+TRAINED = trainer.Settings(dp=2, pp=2, microbatches=4, steps=2, batch_size=8, seq_len=32, corpus=COURSE_CORPUS,
+                           eval_every=1, eval_batches=2, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The last step of a dp2·pp2 training run (4 micro-batches), validated after every step: what
+    ``minitp train --trace-out`` writes."""
+    results = trainer.train(TRAINED, echo=False)
+    coords = [dict(zip(("dp", "pp", "tp"), r["coords"])) for r in results]
+    return results, chrome_trace(results.traces, coords=coords)
+
+
+def test_every_arrow_of_a_dp2_pp2_training_step_goes_forward_in_time(trained):
+    _, data = trained
+    _check_viewer_rules(data)
+    arrows = _arrows(data)
+    assert len(arrows) == 2 * TRAINED.dp * TRAINED.microbatches  # each micro-batch: activations and gradients
+    for leaves, lands in arrows:
+        assert lands["ts"] > leaves["ts"], f"an arrow from rank {leaves['pid']} ends before it starts"
+        sent, received = _slice_at(data, leaves), _slice_at(data, lands)
+        assert sent["args"]["op"] == "send" and received["args"]["op"] == "recv"
+        assert sent["args"]["label"] == received["args"]["label"]  # the message that took it
+        assert received["ts"] + received["dur"] - lands["ts"] <= 1.001  # where the receive completes (µs)
+
+
+def test_the_last_steps_trace_holds_the_training_step_alone(trained):
+    """Validation (a forward and backward per batch) runs after the last step; it is no part of it."""
+    _, data = trained
+    slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    m = TRAINED.microbatches
+    for rank in range(TRAINED.world):
+        compute = Counter(e["name"].split()[0] for e in slices if e["pid"] == rank and e["cat"] == "compute")
+        assert compute == {"forward": m, "backward": m, "optimizer": 1}
+        messages = Counter(e["args"]["op"] for e in slices if e["pid"] == rank and e["cat"] == "comm")
+        assert messages == {"send": m, "recv": m, "all_reduce": 2}  # the gradients' bucket, the clipping norm
 
 
 def test_process_names_say_each_ranks_place_on_the_mesh(run):

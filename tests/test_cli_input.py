@@ -2,6 +2,7 @@
 process starts, with one line naming the option, the value and what is allowed (exit code 2)."""
 
 import inspect
+import json
 
 import pytest
 
@@ -66,6 +67,38 @@ def test_output_folders_are_checked_before_training(tmp_path, capsys, no_launch)
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(["run", "ddp", "--json", str(tmp_path)]) == 2
     assert "is a folder; expected a file name" in capsys.readouterr().err
+
+
+# one process, one step of two sequences of 16 bytes, on 30 files of the corpus (fewer may leave the
+# validation split empty): seconds
+TINY_TRAIN = ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--max-files", "30",
+              "--eval-every", "0"]
+
+
+def test_train_writes_a_trace_into_the_out_folder_it_makes(tmp_path, capsys):
+    """``--out runs/t0 --trace-out runs/t0/trace.json`` into a fresh folder: train makes runs/t0, so the
+    trace may name it before it exists."""
+    out = tmp_path / "runs" / "t0"
+    trace = out / "trace.json"
+    assert cli.main([*TINY_TRAIN, "--out", str(out), "--trace-out", str(trace)]) == 0, capsys.readouterr().err
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert (out / "log.jsonl").is_file()
+    assert f"the last step's trace written to {trace}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["elsewhere/trace.json", "t0/below/trace.json"])
+def test_train_refuses_a_trace_into_a_folder_it_will_not_make_before_anything_starts(where, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Only --out itself is made: a trace into another missing folder (or one below --out) is refused in
+    one line, before --out is made or any process starts."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("processes were started for input that should have been refused")
+    monkeypatch.setattr("minitp.launcher.launch", refuse)
+    out, trace = tmp_path / "t0", tmp_path / where
+    assert cli.main([*TINY_TRAIN, "--out", str(out), "--trace-out", str(trace)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"minitp: error: --trace-out {trace}: the folder {trace.parent} does not exist", err
+    assert not out.exists()
 
 
 def test_runners_refuse_the_same_values_from_python(no_launch):

@@ -5,6 +5,7 @@ import pytest
 
 from minitp import cli, cost, plan, runs
 from minitp.cost.context import cp_attention_activation_bytes, cp_kind_attention_bytes
+from minitp.data import COURSE_CORPUS
 from minitp.models import LLAMA3_8B, TINY, get_config
 
 KINDS = ("ring", "ulysses", "allgather")
@@ -207,7 +208,7 @@ def test_train_with_each_cp_attention_equals_one_process(attention):
 
     from minitp import trainer
 
-    base = trainer.Settings(steps=2, batch_size=4, seq_len=32, max_files=30, eval_every=0, warmup=1, clip=0.5)
+    base = trainer.Settings(steps=2, batch_size=4, seq_len=32, corpus=COURSE_CORPUS, eval_every=0, warmup=1, clip=0.5)
     ref_losses, ref_norms, _ = trainer.reference(base)
     results = trainer.train(replace(base, cp=2, tp=2, cp_attention=attention), echo=False)
     losses = next(r["losses"] for r in results if r["losses"])

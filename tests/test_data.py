@@ -172,3 +172,46 @@ def test_the_real_standard_library_gives_printable_python(tmp_path):
     text = data.decode(data.Sampler(corpus.train, batch_size=4, seq_len=256).batch(0)[0])
     printable = sum(ch.isprintable() or ch in "\n\t" for ch in text)
     assert printable / len(text) > 0.95
+
+
+def tar_of(root, archive, names=None, extra=()):
+    """A .tar.gz of the .py files under ``root`` (relative names), plus ``extra`` (name, bytes) members."""
+    import io
+    import tarfile
+
+    with tarfile.open(archive, "w:gz") as tar:
+        for path, _, _ in data.list_files(root):
+            tar.add(root / path, arcname=path)
+        for name, blob in extra:
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return archive
+
+
+def test_an_archive_gives_the_same_corpus_as_its_folder(tmp_path):
+    root = fake_corpus(tmp_path)
+    archive = tar_of(root, tmp_path / "lib.tar.gz")
+    folder = data.load_corpus(str(root), val_percent=30, cache_dir=str(tmp_path / "a"))
+    packed = data.load_corpus(str(archive), val_percent=30, cache_dir=str(tmp_path / "b"))
+    assert packed.digest == folder.digest and packed.val_files == folder.val_files and packed.files == 40
+    assert packed.source == str(archive.resolve())
+    again = data.load_corpus(str(archive), val_percent=30, cache_dir=str(tmp_path / "b"))
+    assert again.digest == packed.digest and len(list((tmp_path / "b").glob("lib-*"))) == 1  # unpacked once
+
+
+@pytest.mark.parametrize("name", ["../escape.py", "/abs.py"])
+def test_an_archive_with_a_path_outside_its_folder_is_refused(tmp_path, name):
+    root = fake_corpus(tmp_path)
+    archive = tar_of(root, tmp_path / "bad.tar.gz", extra=[(name, b"x = 1\n")])
+    with pytest.raises(ValueError, match="expected plain files with relative paths"):
+        data.load_corpus(str(archive), cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "escape.py").exists()
+
+
+def test_the_course_corpus_is_the_same_bytes_on_every_python(tmp_path):
+    """Chapter 09 and the trainer's tests read it: its tokens, split and digest are pinned."""
+    corpus = data.load_corpus(data.COURSE_CORPUS, cache_dir=str(tmp_path))
+    assert (corpus.files, corpus.train_files, corpus.val_files) == (84, 82, 2)
+    assert (corpus.train.size, corpus.val.size) == (1_129_102, 24_396)
+    assert corpus.digest == "87b757c07af355bdaf75ea7e082f0752f2e4f2fc2dc73f7dde0d7ec109d188ef"

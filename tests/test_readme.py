@@ -28,7 +28,7 @@ def test_the_run_example_shows_the_numbers_a_run_gives():
     for traced in report["comm_bytes_traced"]:
         assert f"{traced:,.0f}" in shown
     for loss in report["reference_loss"]:
-        assert f"{loss:.6f}" in shown
+        assert f"{loss:.4f}" in shown
     assert f"{report['memory'][0]['optimizer']:,}" in shown
 
 

@@ -319,8 +319,16 @@ def test_a_folder_left_by_a_killed_parent_is_removed_by_the_next_launch(tmp_path
     live_owner.mkdir()
     not_ours = folder.parent / "minitp-chromium-profile"
     not_ours.mkdir()
+    learners = folder.parent / "minitp-2024-results"  # the launch's pattern, a dead "pid", no launch's mark
+    learners.mkdir()
+    (learners / "table.csv").write_text("step,loss\n1,4.87\n")
+    other_mark = folder.parent / "minitp-2025-x"  # a mark naming another pid than its name: not proven ours
+    other_mark.mkdir()
+    (other_mark / ".minitp-launch").write_text("77\n")
     monkeypatch.setattr(tempfile, "tempdir", str(folder.parent))
     assert list(minitp.launch(_return_rank, 1, echo=False)) == [0]
     assert not folder.exists()
     assert live_owner.exists() and not_ours.exists()
-    assert sorted(p.name for p in folder.parent.iterdir()) == sorted([not_ours.name, live_owner.name])
+    assert (learners / "table.csv").read_text() == "step,loss\n1,4.87\n" and other_mark.exists()
+    assert sorted(p.name for p in folder.parent.iterdir()) == sorted(
+        [not_ours.name, live_owner.name, learners.name, other_mark.name])

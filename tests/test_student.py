@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import nbformat
@@ -297,6 +298,89 @@ def test_every_chapter_page_shows_an_exercises_hints_between_its_stub_and_its_wo
             assert student.STUB_TAG in cells[i - 1]["metadata"].get("tags", []), f"{where}: not after a stub"
             assert student.ANSWER_TAG in cells[i + 1]["metadata"].get("tags", []), f"{where}: no fold after it"
             assert student._split_at_heading(cells[i])[1] is None, f"{where}: the next exercise sits before the fold"
+
+
+def test_hints_that_open_straight_with_their_first_fold_also_come_before_the_worked_answer():
+    """A hints cell need not open with **Hints: one that opens with ``<details><summary>Hint 1`` (as
+    chapters 06 and 10 write some) moves up between the stub and the fold all the same."""
+    notebook = answers_notebook()
+    notebook.cells.insert(5, nbformat.v4.new_markdown_cell(
+        "<details><summary>Hint 1</summary>\n\nCount the idle slots.\n</details>"))
+    web, folds = student.website_notebook(json.loads(nbformat.writes(notebook)))
+    sources = ["".join(c["source"]) for c in web["cells"]]
+    assert sources[2].startswith("<details><summary>Hint 1") and folds == 1
+    assert student.STUB_TAG in web["cells"][1]["metadata"]["tags"]
+    assert all(student.ANSWER_TAG in c["metadata"]["tags"] for c in web["cells"][3:7])
+
+
+class _Page(HTMLParser):
+    """Each notebook cell of a chapter's page (``<div id="cell-id=…">``), with whether it sits inside an
+    answer fold (``<details class="minitp-answer">``), and the page's folds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_details: list[bool] = []  # for each <details> still open: is it an answer fold?
+        self.folded: dict[str, bool] = {}  # cell id -> inside a fold
+        self.folds = 0
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if tag == "details":
+            answer = "minitp-answer" in (attributes.get("class") or "").split()
+            self.folds += answer
+            self.open_details.append(answer)
+        elif tag == "div" and (attributes.get("id") or "").startswith("cell-id="):
+            self.folded[attributes["id"].removeprefix("cell-id=")] = any(self.open_details)
+
+    def handle_endtag(self, tag):
+        if tag == "details" and self.open_details:
+            self.open_details.pop()
+
+
+WORKED = re.compile(r"^\s*def problem_\d+\(|\bch\d\d\.check_\w*\(|^\s*### BEGIN SOLUTION", re.M)
+
+
+@pytest.mark.skipif(not CHAPTERS, reason="no chapters in notebooks/ yet")
+def test_every_worked_answer_of_every_chapter_is_folded_on_its_page(tmp_path):
+    """Render each chapter's website form as the site does (mkdocs-jupyter's converter, then the site's
+    ``fold_answers``): every cell that holds an answer or calls a checker (each exercise's and each worked
+    problem's, found here by its text, not by the code under test) sits inside a closed "Show a worked
+    answer" fold; each stub and each hint stays in view; one fold per run of answer cells."""
+    nb2html = pytest.importorskip("mkdocs_jupyter.nbconvert2").nb2html
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    problems = 0
+    for path in CHAPTERS:
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        cells = notebook["cells"]
+        worked = {c["id"] for c in cells if c["cell_type"] == "code" and WORKED.search("".join(c["source"]))}
+        text = {kind: "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == kind)
+                for kind in ("markdown", "code")}
+        headings = re.findall(r"^#+ Problem (\d+)", text["markdown"], re.M)
+        defined = re.findall(r"^def problem_(\d+)\(", text["code"], re.M)
+        assert headings == defined, f"{path.name}: worked problems {headings}, answer functions {defined}"
+        problems += len(headings)
+        web, folds = student.website_notebook(notebook, name=path.name)
+        form = tmp_path / path.name
+        form.write_text(json.dumps(web), encoding="utf-8")
+        page = _Page()
+        page.feed(mkdocs_hooks.fold_answers(nb2html(str(form))))
+        assert worked <= set(page.folded), f"{path.name}: cells missing from the page: {worked - set(page.folded)}"
+        shown = sorted(cell_id for cell_id in worked if not page.folded[cell_id])
+        assert not shown, f"{path.name}: worked answers in plain view on the page (cell ids {shown})"
+        stubs = [c["id"] for c in web["cells"] if student.STUB_TAG in c["metadata"].get("tags", [])]
+        assert stubs and not any(page.folded[cell_id] for cell_id in stubs), f"{path.name}: a stub is folded"
+        hints = [c["id"] for c in web["cells"] if c["cell_type"] == "markdown"
+                 and "<summary>Hint" in "".join(c["source"])]
+        assert not any(page.folded[cell_id] for cell_id in hints), f"{path.name}: a hint is inside a fold"
+        assert page.folds == folds, f"{path.name}: {page.folds} folds on the page, {folds} runs of answer cells"
+        after_fold = [c["id"] for before, c in zip(web["cells"], web["cells"][1:]) if student._folded(before)
+                      and c["cell_type"] == "markdown" and "<summary>Hint" in "".join(c["source"])]
+        assert not after_fold, f"{path.name}: hints after their worked answer (cell ids {after_fold})"
+    assert problems >= 3 * len(CHAPTERS)  # every chapter's worked problems were looked at
 
 
 def twin_of_two_settings() -> str:

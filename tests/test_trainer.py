@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from minitp import cli, trainer
+from minitp.data import COURSE_CORPUS
 from minitp.parallel3d import unshard_3d
 
-BASE = trainer.Settings(steps=3, batch_size=8, seq_len=32, max_files=30, eval_every=0, warmup=1, clip=0.5)
+BASE = trainer.Settings(steps=3, batch_size=8, seq_len=32, corpus=COURSE_CORPUS, eval_every=0, warmup=1, clip=0.5)
 SMALL_RUN = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--max-files", "30", "--eval-every", "3",
              "--save-every", "2", "--warmup", "1"]
 

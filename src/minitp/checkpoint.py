@@ -168,6 +168,13 @@ def check_save_folder(path: str, what: str | None = None) -> None:
     if not os.path.isdir(path):
         return
     current = _current_folder(path)
+    if current is None and os.path.isfile(os.path.join(path, INDEX)) and any(
+            _is_marked(path, entry) for entry in os.listdir(path)):
+        try:  # minitp's own save folders beside an index that no longer reads: a damaged checkpoint
+            read_index(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{what or path} is a damaged minitp checkpoint: {e}; move it away to keep it, "
+                                  f"or remove it to start again") from None
     foreign = []
     for entry in sorted(os.listdir(path)):
         full = os.path.join(path, entry)

@@ -27,6 +27,7 @@ import argparse
 import builtins
 import json
 import os
+import signal
 import sys
 from dataclasses import replace
 
@@ -37,13 +38,22 @@ from minitp.runs.context_parallel import ATTENTION
 from minitp.runs.registry import STRATEGIES, Option, OptionError, Strategy
 
 
-def _check_output_file(flag: str, path: str | None) -> None:
-    """Refuse a report path that cannot be written, before anything runs."""
+def _check_output_file(flag: str, path: str | None, made_folder: str | None = None) -> None:
+    """Refuse a report path that cannot be written, before anything runs.
+
+    made_folder: a folder the command makes itself before it writes the file (``minitp train``'s
+    ``--out``, checked and made before any process starts): a file straight inside it may name it
+    while it does not exist yet. Any other missing folder is refused.
+    """
     if path is None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; expected a file name to write the JSON into")
+    if made_folder is not None and parent == os.path.abspath(made_folder) and not os.path.lexists(parent):
+        return  # made (and checked for writing) with the rest of the output, before any process starts
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: the folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -204,7 +214,7 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
-    _check_output_file("--trace-out", args.trace_out)
+    _check_output_file("--trace-out", args.trace_out, made_folder=args.out)  # train makes --out, nothing else
     dims = {d: getattr(args, d) for d in ("dp", "tp", "pp", "cp")}
     if args.layout == "auto" and any(v > 1 for v in dims.values()):
         raise ValueError("--layout auto picks dp, tp and pp itself: give it --nproc N, without --dp/--tp/--pp/--cp")
@@ -218,8 +228,8 @@ def _train(args: argparse.Namespace) -> int:
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup=args.warmup if args.warmup is not None else min(30, args.steps // 10), clip=args.clip,
         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every, out=args.out,
-        resume=args.resume, seed=args.seed,
-        max_files=args.max_files, kill_at=args.kill_at)
+        resume=args.resume, overwrite=args.overwrite, seed=args.seed,
+        corpus=args.corpus, max_files=args.max_files, kill_at=args.kill_at)
     if args.layout == "auto":
         s, rows = trainer.auto_layout(s, args.nproc or 2)
         print("minitp train --layout auto: the time model's step on this machine (minitp calibrate), fastest first")
@@ -243,9 +253,11 @@ def _train(args: argparse.Namespace) -> int:
         write_chrome_trace(args.trace_out, results.traces, coords=coords)
         print(f"the last step's trace written to {args.trace_out}")
     if results[0]["stopped"]:
-        print(f"minitp train: stopped by Ctrl-C; the checkpoint holds step {done}: add --resume to go on",
-              file=sys.stderr)
-        return 130
+        signum = next((r["signal"] for r in results if r.get("signal")), signal.SIGINT)
+        by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        saved = f"the checkpoint holds step {done}: add --resume to go on" if args.out else "nothing saved (no --out)"
+        print(f"minitp train: stopped by {by}; {saved}", file=sys.stderr)
+        return 128 + signum  # 130 for SIGINT, 143 for SIGTERM, as a shell reports a process they ended
     return 0
 
 
@@ -278,8 +290,12 @@ def _train_options():
         Option("save_every", int, 100, "checkpoint every N steps (0: only at the end and on Ctrl-C)", low=0),
         Option("out", str, None, "folder for log.jsonl, loss.png and checkpoint/", metavar="DIR"),
         Option("resume", bool, False, "continue from the checkpoint in --out, on this layout, when there is one"),
+        Option("overwrite", bool, False, "start again in an --out that holds a run: its log, figure and checkpoint "
+               "are replaced (without it, or --resume, such an --out is refused)"),
         Option("max_restarts", int, 0, "relaunch from the last checkpoint when a rank dies, up to N times", low=0),
         Option("seed", int, 0, "model and batch seed", low=0),
+        Option("corpus", str, None, "a folder of .py files or a .tar.gz of them (default: this Python's standard "
+               "library)", metavar="PATH"),
         Option("max_files", int, None, "only the first N files of the corpus (quick tries)", low=1, optional=True),
         Option("backend", str, "gloo", "gloo: CPU processes; nccl: one GPU per process", choices=("gloo", "nccl")),
         Option("kill_at", int, None, "the last rank dies at step N, once (to watch a restart)", low=0, optional=True),
@@ -382,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"minitp: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM while minitp train was saving: stopped at once
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"minitp: stopped at once ({signal.Signals(signum).name} again); the last checkpoint saved before "
+              "stays", file=sys.stderr)
+        return 128 + signum
     except LaunchError as e:  # a rank failed or hung: its message carries the rank's own traceback
         one_line = _rank_one_line(e)
         if one_line is not None:  # ... unless what it raised says all in one line (the file, what was wrong)

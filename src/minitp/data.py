@@ -14,6 +14,12 @@ edited file means a new cache. Both files are written under a temporary name and
 POSIX), so ranks building at once never see half a file. A load checks only the file list's digest
 and the size (fast); ``verify=True`` re-hashes every byte. A cache that fails a check is rebuilt.
 
+**The course's corpus.** ``COURSE_CORPUS`` is a ``.tar.gz`` shipped with minitp: its own source
+(``src/minitp``'s 84 ``.py`` files at commit 751c0a6, 0.8 MB). The standard library differs from one
+Python to the next (599 files here on 3.11, 583 on 3.10, 551 on 3.12), so what chapter 09 and the
+tests store is trained on this one, the same bytes everywhere. ``load_corpus`` takes an archive
+like a folder: it unpacks it once into the cache, under its SHA-256, and reads that folder.
+
 **Sampling.** ``Sampler.batch(step)`` is a pure function of (seed, step): a run resumed at step k
 sees exactly the batches an uninterrupted run would have, and ``rank_batch`` hands each
 data-parallel rank its own disjoint rows of that one global batch.
@@ -25,8 +31,10 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import sys
 import sysconfig
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +46,7 @@ SEPARATOR = b"\x00"  # ends every file; never appears in Python source
 MAX_FILE_BYTES = 200 * 1024  # larger files are mostly data tables, not code
 SKIPPED_FOLDERS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 FORMAT = 1
+COURSE_CORPUS = str(Path(__file__).parent / "data_files" / "minitp-source.tar.gz")
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays do not compare to one bool
@@ -53,7 +62,7 @@ class Corpus:
     digest: str  # SHA-256 of all token bytes (train then validation)
 
     def describe(self) -> str:
-        mb = lambda n: f"{n / 1e6:.1f} MB"
+        mb = lambda n: f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"
         return (f"{mb(self.train.size + self.val.size)} of Python from {self.files:,} files of {self.source} "
                 f"(train {mb(self.train.size)}, validation {mb(self.val.size)})")
 
@@ -89,11 +98,27 @@ def load_corpus(root: str | None = None, val_percent: int = 5, cache_dir: str | 
                 max_files: int | None = None, *, verify: bool = False) -> Corpus:
     """The corpus under ``root`` (default: this Python's standard library), built once then memory-mapped.
 
-    ``max_files`` keeps the first N files of the sorted list (quick tests); ``verify=True`` re-hashes
-    the cached tokens and rebuilds them if they changed."""
+    ``root`` is a folder of ``.py`` files or a ``.tar.gz`` of them (``COURSE_CORPUS``). ``max_files``
+    keeps the first N files of the sorted list (quick tests); ``verify=True`` re-hashes the cached
+    tokens and rebuilds them if they changed."""
+    try:
+        return _load_corpus(root, val_percent, cache_dir, max_files, verify)
+    except OSError as e:  # most often the cache (or an archive's folder in it) cannot be written
+        cache = cache_folder(cache_dir)
+        if e.filename is not None and str(e.filename).startswith(str(cache)):
+            raise ValueError(f"the corpus cache {cache} cannot be written ({e.strerror}: {e.filename}): set "
+                             f"MINITP_CACHE to a folder you can write") from None
+        raise ValueError(f"the corpus could not be read ({e.strerror}: {e.filename})") from None
+
+
+def _load_corpus(root, val_percent, cache_dir, max_files, verify) -> Corpus:
     root = Path(root if root is not None else sysconfig.get_paths()["stdlib"]).resolve()
+    archive = None
+    if root.is_file() and root.name.endswith((".tar.gz", ".tgz")):
+        archive, root = root, unpack(root, cache_folder(cache_dir))
     if not root.is_dir():
-        raise FileNotFoundError(f"expected a folder of .py files, but {str(root)!r} is not a folder")
+        raise FileNotFoundError(f"expected a folder of .py files or a .tar.gz of them, but {str(root)!r} is "
+                                f"{'a file' if root.exists() else 'not there'}")
     if isinstance(val_percent, bool) or not isinstance(val_percent, int) or not 1 <= val_percent <= 50:
         raise ValueError(f"val_percent must be an integer from 1 to 50, got {val_percent!r}")
     if max_files is not None and (isinstance(max_files, bool) or not isinstance(max_files, int) or max_files < 1):
@@ -123,7 +148,32 @@ def load_corpus(root: str | None = None, val_percent: int = 5, cache_dir: str | 
     tokens = np.memmap(bin_path, dtype=np.uint8, mode="r")
     n_train = meta["train_bytes"]
     return Corpus(train=tokens[:n_train], val=tokens[n_train:], files=len(files), train_files=len(train),
-                  val_files=len(val), source=str(root), digest=meta["sha256"])
+                  val_files=len(val), source=str(archive or root), digest=meta["sha256"])
+
+
+def unpack(archive: Path, cache: Path) -> Path:
+    """The folder ``archive`` (a .tar.gz of .py files) unpacks into, once: ``<cache>/<name>-<sha256>``.
+
+    Unpacked into a temporary folder and renamed, so two processes unpacking at once both end with
+    one whole folder. Members are plain files with relative paths, checked before anything is written."""
+    digest = _sha256_file(archive)[:16]
+    folder = cache / f"{archive.name.split('.')[0]}-{digest}"
+    if folder.is_dir():
+        return folder
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f"{folder.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        for member in members:
+            if not member.isfile() or member.name.startswith("/") or ".." in member.name.split("/"):
+                raise ValueError(f"{archive}: expected plain files with relative paths, found {member.name!r}")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.11.4
+        tar.extractall(tmp, members=members, **safe)
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process got there first: its folder holds the same bytes
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def _read_meta(json_path: Path, bin_path: Path, list_digest: str) -> dict | None:
@@ -217,8 +267,9 @@ def check_seq_len(seq_len: int, max_seq_len: int) -> None:
 
 
 def encode(text: str) -> torch.Tensor:
-    """UTF-8 bytes of ``text`` as a long tensor of tokens."""
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    """UTF-8 bytes of ``text`` as a long tensor of tokens. Bytes that are not UTF-8 (a command line's
+    argument in another encoding reaches Python as surrogates) become themselves: a byte model reads any."""
+    return torch.tensor(list(text.encode("utf-8", errors="surrogateescape")), dtype=torch.long)
 
 
 def decode(tokens) -> str:

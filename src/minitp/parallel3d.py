@@ -66,7 +66,9 @@ class Parallel3D:
     under the plain model's names), ``split_dims``, ``replicas`` (the data-parallel wrapper, whichever:
     ``ddp``, ``fsdp`` or ``expert_parallel``; None when not used), ``context`` (context parallel's),
     ``pipeline`` (None when pp = 1), ``optimizer``, ``device``, ``config`` and ``whole_shapes``
-    (the plain model's config and {name: shape} before any split: what a checkpoint checks).
+    (the plain model's config and {name: shape} before any split: what a checkpoint checks),
+    ``aux_loss_coef`` and ``aux_per_step`` (a MoE's auxiliary loss under a pipeline: see
+    ``forward_backward``).
     """
 
     def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
@@ -113,7 +115,8 @@ class Parallel3D:
                                                                       mesh.expert_dp_group)
         # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward themselves
         # (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
-        self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss, pp > 1
+        self.aux_loss_coef = model.config.aux_loss_coef if moe else 0.0  # loss = cross-entropy + coef · aux
+        self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss (without coef), pp > 1
         self._aux_parts: list[torch.Tensor] = []  # its pieces, detached, read once the step is over
         if moe and mesh.pp > 1:
             for layer in moe_layers(module):
@@ -140,7 +143,10 @@ class Parallel3D:
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one global batch (B, S), the same on every rank; gradients end
-        averaged over dp. Returns the loss of this replica's share (None off the last stage)."""
+        averaged over dp. Returns the loss of this replica's share (None off the last stage). A MoE's
+        loss is the cross-entropy plus ``aux_loss_coef`` · aux: all of it on one stage, but under a
+        pipeline the cross-entropy only, each stage's part of aux left in ``aux_per_step`` (adding
+        them up takes a message over pp: ``trainer._world_mean`` does it, or the 3D run's parent)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         if self.context is not None:  # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
             tokens, targets = (_cp.replica_share(t, self.mesh) for t in (tokens, targets))

@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -41,11 +42,13 @@ from minitp import trace as _trace
 from minitp.cost.context import check_cp_attention, check_ulysses_heads
 from minitp.data import Sampler, check_seq_len, load_corpus
 from minitp.grid import check_3d_layout, check_composition, check_zero
+from minitp.layout import cp_chunks
 from minitp.mesh import Mesh
 from minitp.models import ModelConfig, Transformer, build_model, loss_fn
-from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_loss
+from minitp.models.moe import MoEConfig, aux_loss, build_moe_model, moe_config, moe_loss
 from minitp.models.train import make_optimizer
 from minitp.parallel3d import Parallel3D
+from minitp.runs.common import check_memory
 
 # byte-level models sized for a laptop run (vocabulary: the 256 byte values)
 BYTE = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=384, max_seq_len=256)
@@ -55,6 +58,8 @@ PRESETS = {
     "byte-moe": moe_config(BYTE, n_experts=4, top_k=2, expert_hidden=192, capacity_factor=None),  # for --ep
 }
 KILL_MARK = "killed-once"  # in ``out``: the planted failure happened (``kill_at``), not again after a restart
+OUT_FILES = ("log.jsonl", "loss.png", "checkpoint")  # what a run writes in ``out``: a run is there
+LOCK = ".minitp-lock"  # in ``out``: held by the run that writes there
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,9 @@ class Settings:
     save_every: int = 100  # and at the end; 0: only at the end
     out: str | None = None  # log.jsonl, loss.png and checkpoint/; None: nothing written
     resume: bool = False  # from out/checkpoint when it holds one
+    overwrite: bool = False  # start again in an ``out`` that holds a run (its log, figure and checkpoint go)
     seed: int = 0
+    corpus: str | None = None  # a folder of .py files or a .tar.gz of them (data.COURSE_CORPUS); None: the stdlib
     max_files: int | None = None  # the first N files of the corpus only (tests)
     kill_at: int | None = None  # tests and chapter 09: the last rank dies at this step, once
 
@@ -112,13 +119,35 @@ class Settings:
         if self.clip < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"expected clip >= 0, lr > 0 and 0 <= min_lr_ratio <= 1; got clip={self.clip}, "
                              f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
-        if (self.resume or self.kill_at is not None) and not self.out:
-            raise ValueError("--resume and --kill-at need --out DIR (where the checkpoint is)")
+        if self.corpus is not None and not (os.path.isdir(self.corpus) or self.corpus.endswith((".tar.gz", ".tgz"))
+                                            and os.path.isfile(self.corpus)):
+            raise ValueError(f"corpus {self.corpus!r}: expected a folder of .py files or a .tar.gz of them")
+        if (self.resume or self.kill_at is not None or self.overwrite) and not self.out:
+            raise ValueError("--resume, --overwrite and --kill-at need --out DIR (where the checkpoint is)")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out, --overwrite starts it again: give one")
+        if self.zero is not None and self.data_parallel != "fsdp":
+            raise ValueError(f"--zero {self.zero} sets FSDP's stage: add --fsdp (without it the replicas are DDP's, "
+                             "which keep everything whole)")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be from 0 to 2**63 - 1 (a torch generator's seed), got {self.seed}")
+        if not self.lr <= 10:  # AdamW's step is about lr per element: past 10 every weight is noise at once
+            raise ValueError(f"lr={self.lr:g} is far above any learning rate that trains (AdamW moves each weight by "
+                             f"about lr a step); expected at most 10")
         check_composition(self.dp, self.pp, self.tp, self.cp, self.ep, self.data_parallel, self.schedule,
                           self.virtual_stages)
         check_3d_layout(self.config, self.dp * self.cp, self.pp, self.tp)
         check_zero(self.data_parallel, self.zero, self.pp)
         check_cp_attention(self.cp_attention)
+        if self.cp > 1:
+            cp_chunks(self.seq_len, self.cp, 0)  # each rank's positions: 2·cp equal chunks
+        if isinstance(self.config, MoEConfig) and (self.tp > 1 or self.cp > 1):
+            raise ValueError(f"--model {self.model} trains with tp = 1 and cp = 1 (got tp={self.tp}, cp={self.cp}): "
+                             "minitp splits no expert over tp, and its load-balancing loss would be each cp "
+                             "rank's own positions', not the sequence's; use --dp, --ep and --pp")
+        if self.ep > 1 and self.config.n_experts % self.ep:
+            raise ValueError(f"n_experts={self.config.n_experts} of --model {self.model} is not divisible by "
+                             f"ep={self.ep}: every rank holds E/ep experts")
         if self.cp > 1 and self.cp_attention == "ulysses":
             check_ulysses_heads(self.config, self.cp, self.tp)
 
@@ -180,26 +209,35 @@ def build(cfg: ModelConfig, seed: int) -> Transformer:
     return build_moe_model(cfg, seed=seed) if isinstance(cfg, MoEConfig) else build_model(cfg, seed=seed)
 
 
-def _world_mean(loss: float | None, device, stop: bool = False) -> tuple[float, bool]:
-    """The mean over the replicas of a loss only the last stage knows, and whether any rank asked to stop."""
-    t = torch.tensor([loss or 0.0, loss is not None, stop], dtype=torch.float64, device=device)
+def _world_mean(loss: float | None, device, stop: bool = False, aux: float = 0.0) -> tuple[float, bool]:
+    """The mean over the replicas of a loss only the last stage knows, and whether any rank asked to stop.
+    ``aux``: what this rank's pipeline stage adds to its replica's loss (``train_step``). Each replica's
+    last stage holds one loss and each of its stages adds its part, so the sum of every rank's ``aux``
+    over the number of losses is the mean over the replicas of their sums over the stages."""
+    t = torch.tensor([loss or 0.0, loss is not None, stop, aux], dtype=torch.float64, device=device)
     dist.all_reduce(t)  # bookkeeping, not a message of the strategy: left out of the trace
-    return (t[0] / t[1]).item(), bool(t[2] > 0)
+    return ((t[0] + t[3]) / t[1]).item(), bool(t[2] > 0)
 
 
 class _StopOnInterrupt:
-    """Ctrl-C asks for a stop: the ranks agree at the end of the step, save and leave."""
+    """Ctrl-C or SIGTERM asks for a stop: the ranks agree at the end of the step, save and leave.
+    ``signal``: the one that asked (the command's exit status says which: 130 or 143)."""
 
     def __init__(self):
-        self.asked = False
-        self.old = signal.signal(signal.SIGINT, self._ask) if _main_thread() else None
+        self.signal: int | None = None
+        watched = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+        self.old = {signum: signal.signal(signum, self._ask) for signum in watched}
 
-    def _ask(self, *_):
-        self.asked = True
+    @property
+    def asked(self) -> bool:
+        return self.signal is not None
+
+    def _ask(self, signum, _frame):
+        self.signal = self.signal or signum
 
     def restore(self):
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
+        for signum, handler in self.old.items():
+            signal.signal(signum, handler)
 
 
 def _main_thread() -> bool:
@@ -209,21 +247,29 @@ def _main_thread() -> bool:
 
 
 def evaluate(par: Parallel3D, sampler: Sampler, batches: int) -> float:
-    """The mean loss over ``batches`` validation batches. Each runs the step's own forward and backward
-    (the layout's only path through a pipeline); the gradients are then thrown away."""
+    """The mean cross-entropy over ``batches`` validation batches, in nats per byte: how well the model
+    predicts files it never trained on. A MoE's auxiliary (load-balancing) loss, which the training
+    loss holds, is left out on every layout: it is a term of the objective, not of the prediction,
+    and without it a MoE's validation compares with a dense model's. Each batch runs the step's own
+    forward and backward (the layout's only path through a pipeline); the gradients are thrown away."""
     total = 0.0
     for i in range(batches):
         loss = par.forward_backward(*sampler.batch(i))
         par.optimizer.zero_grad(set_to_none=True)
-        total += _world_mean(loss, par.device)[0]
+        if loss is not None and par.pipeline is None:  # one stage: its loss also holds coef · aux
+            loss -= par.aux_loss_coef * float(aux_loss(par.module))  # its layers' aux (0 without a MoE)
+        total += _world_mean(loss, par.device)[0]  # a pipeline's loss: the cross-entropy only
     return total / batches
 
 
 def train_step(par: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
-               clip: float) -> tuple[float | None, float]:
+               clip: float) -> tuple[float | None, float, float]:
     """One optimizer step on the global batch: forward and backward (gradients averaged over the
     replicas), clip by the global norm, step at ``lr``. Returns (this replica's loss or None off the
-    last stage, the norm before clipping)."""
+    last stage, what this rank's stage adds to that loss, the norm before clipping). The loss is one
+    process's: a MoE's is the cross-entropy plus coef · aux, which one stage computes whole, but under
+    a pipeline each stage holds its own layers' part of aux (``Parallel3D.aux_per_step``): the second
+    value, added up over the stages by ``_world_mean`` (0 without a MoE under a pipeline)."""
     par.optimizer.zero_grad(set_to_none=True)
     loss = par.forward_backward(tokens, targets)
     norm = clip_grad_norm_(par, clip)
@@ -231,7 +277,7 @@ def train_step(par: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, lr:
         group["lr"] = lr
     with _trace.span("optimizer"):
         par.optimizer.step()
-    return loss, norm
+    return loss, par.aux_loss_coef * par.aux_per_step, norm
 
 
 def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int | None = None,
@@ -241,7 +287,7 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
     mesh = Mesh(s.dp * s.cp, s.pp, s.tp, cp=s.cp, ep=s.ep)
     par = Parallel3D(build(cfg, s.seed), mesh, s.data_parallel, s.zero, s.microbatches, s.schedule, lr=s.lr,
                      virtual_stages=s.virtual_stages, cp_attention=s.cp_attention)
-    corpus = load_corpus(max_files=s.max_files)
+    corpus = load_corpus(s.corpus, max_files=s.max_files)
     train, val = Sampler(corpus.train, s.batch_size, s.seq_len, s.seed), Sampler(corpus.val, s.batch_size, s.seq_len)
     folder = os.path.join(s.out, "checkpoint") if s.out else None
     start = 0
@@ -264,8 +310,8 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
                 open(_kill_mark(s), "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, planted: the whole run must notice
             t0 = time.perf_counter()
-            loss, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
-            loss, stopping = _world_mean(loss, par.device, stop.asked)
+            loss, aux, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
+            loss, stopping = _world_mean(loss, par.device, stop.asked, aux)
             seconds = time.perf_counter() - t0
             losses.append(loss)
             norms.append(norm)
@@ -275,7 +321,8 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
             if peak_flops:
                 record["mfu"] = round(flops_per_step / seconds / (peak_flops * mesh.world_size), 4)
             if done == s.steps or (s.eval_every and done % s.eval_every == 0):
-                record["val_loss"] = round(evaluate(par, val, s.eval_batches), 5)
+                with _trace.recording(mesh.rank):  # apart: the record (--trace-out) holds the training step
+                    record["val_loss"] = round(evaluate(par, val, s.eval_batches), 5)
             if first:
                 log.write(record)
                 _advance(bar, record)
@@ -287,7 +334,7 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
         stop.restore()
         if bar is not None:
             bar.close()
-    out = {"losses": losses, "norms": norms, "start": start, "stopped": stopping,
+    out = {"losses": losses, "norms": norms, "start": start, "stopped": stopping, "signal": stop.signal,
            "coords": [mesh.coords.dp, mesh.coords.pp, mesh.coords.tp]}
     if keep_shards:
         out["shards"] = par.local_shards()
@@ -305,21 +352,25 @@ def _flops_per_token(cfg: ModelConfig, seq: int) -> float:
 
 
 class _Log:
-    """``out/log.jsonl``, written by the first rank. A resumed run first drops the records of the
-    steps after its checkpoint (a crashed run got further than it saved): they are run again."""
+    """``out/log.jsonl``, written by the first rank, one record a line, each appended whole and flushed:
+    a crash (a kill, a full disk) can tear only the last line, which a reader drops. A resumed run first
+    drops the records of the steps after its checkpoint (a crashed run got further than it saved): they
+    are run again. That rewrite goes to a temporary file renamed over the log, so a crash during it
+    leaves the old log or the new one."""
 
     def __init__(self, s: Settings, start: int, first: bool):
         self.path = os.path.join(s.out, "log.jsonl") if s.out and first else None
         if self.path and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) <= start] if start else []
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+            kept = [record for record in read_log(self.path) if record.get("step", 0) <= start] if start else []
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(record) + "\n" for record in kept)
+            os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record) + "\n")  # one write of a whole line
 
 
 def _bar(s: Settings, start: int, fd: int | None):
@@ -388,20 +439,90 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
     ``max_restarts`` times from the last checkpoint when a rank dies. backend: "gloo" (CPU) or "nccl"
     (one GPU per process; no MFU is shown, as the peak is measured on a CPU core). Returns the last
     launch's ``Results`` (each rank's ``train_worker`` dict)."""
+    s.check()
+    if max_restarts and not s.out:
+        raise ValueError("--max-restarts needs --out DIR: a restart continues from the checkpoint saved there")
+    check_memory(s.config, s.world, s.batch_size // s.dp, s.seq_len, s.tp)
+    corpus = load_corpus(s.corpus, max_files=s.max_files)  # built once here, not by every rank at once
+    with _holding(s.out):
+        if s.out:
+            _check_out(s)
+        return _train(s, corpus, max_restarts, timeout, echo, keep_shards, backend)
+
+
+def _check_out(s: Settings) -> None:
+    """Before any rank starts: ``out`` is a folder minitp may write, a finished run there is continued
+    (``resume``) or replaced (``overwrite``) only when asked, and the checkpoint to resume passes every
+    check a rank's load would make."""
+    folder = os.path.join(s.out, "checkpoint")
+    checkpoint.check_save_folder(folder, f"--out {s.out}'s checkpoint/")
+    held = [name for name in OUT_FILES if os.path.exists(os.path.join(s.out, name))]
+    if held and not (s.resume or s.overwrite):
+        raise ValueError(f"--out {s.out} holds a run ({', '.join(held)}): add --resume to continue it, or "
+                         f"--overwrite to start again there (its log, figure and checkpoint are replaced)")
+    if s.overwrite and not under_torchrun_rank(1):
+        for name in held:
+            path = os.path.join(s.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if s.resume and os.path.exists(os.path.join(s.out, "log.jsonl")):
+        read_log(os.path.join(s.out, "log.jsonl"))  # a damaged line refused here, a torn last one said here
+    if s.resume and os.path.exists(os.path.join(folder, checkpoint.INDEX)):
+        with torch.device("meta"):  # the shapes of the model the ranks will build: no memory, no values
+            shapes = {name: tuple(p.shape) for name, p in build(s.config, s.seed).named_parameters()}
+        step = checkpoint.check_before_launch(folder, s.config, shapes)
+        if step >= s.steps:
+            raise ValueError(f"--out {s.out}'s checkpoint is at step {step}: nothing left to train up to "
+                             f"--steps {s.steps}; give more steps to go on")
+
+
+def under_torchrun_rank(first: int) -> bool:
+    """Under torchrun, whether this process is a rank from ``first`` on (one that leaves shared files
+    to rank 0)."""
+    from minitp.launcher import under_torchrun
+
+    return under_torchrun() and int(os.environ["RANK"]) >= first
+
+
+@contextlib.contextmanager
+def _holding(out: str | None):
+    """Hold ``out`` for the run: a second ``minitp train`` into it is refused, not interleaved (its
+    saves and clean-ups would remove this run's). An advisory lock (``fcntl.flock``) on
+    ``out/.minitp-lock``: the kernel lets it go when the process ends, however it ends. Under
+    torchrun every rank runs this function, so only rank 0 holds it."""
+    if not out or under_torchrun_rank(1):
+        yield
+        return
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; expected a folder for the log, figure and checkpoint")
+    try:
+        os.makedirs(out, exist_ok=True)
+        handle = open(os.path.join(out, LOCK), "a+")
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot make the folder or write in it ({e.strerror})") from None
+    try:
+        import fcntl
+
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            who = handle.read().strip() or "another process"
+            raise ValueError(f"--out {out} is in use by another minitp train ({who}): wait for it to end, "
+                             f"or give another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # the lock goes with the file
+
+
+def _train(s: Settings, corpus, max_restarts: int, timeout: float, echo: bool, keep_shards: bool,
+           backend: str):
+    """``train`` once its checks passed: the launches, a restart after each lost rank, the figure."""
     from minitp.launcher import LaunchError, launch, under_torchrun
 
-    s.check()
-    corpus = load_corpus(max_files=s.max_files)  # built once here, not by every rank at once
-    if s.out:
-        if os.path.exists(s.out) and not os.path.isdir(s.out):
-            raise ValueError(f"--out {s.out} is a file; expected a folder for the log, figure and checkpoint")
-        try:
-            os.makedirs(s.out, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--out {s.out}: cannot make the folder ({e.strerror})") from None
-        if not os.access(s.out, os.W_OK):
-            raise ValueError(f"--out {s.out} is not writable")
-        checkpoint.check_save_folder(os.path.join(s.out, "checkpoint"))
     peak = _peak_flops() if backend == "gloo" else None
     # the parent's terminal, for the first rank's progress bar (a forked rank inherits the copy; its own
     # stderr goes to a file the launcher relays at the end)
@@ -413,12 +534,12 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
     for attempt in range(max_restarts + 1):
         began = time.time()
         try:
-            with _interrupt_saves():
+            with _signals_ask_the_ranks():
                 results = launch(train_worker, None if under_torchrun() else s.world, s, peak, fd, keep_shards,
-                                 timeout=timeout, echo=False, backend=backend)
+                                 timeout=timeout, echo=False, backend=backend, keep_sigterm=True)
             break
         except LaunchError as e:
-            if attempt == max_restarts or not s.out:
+            if attempt == max_restarts or not s.out or _refused(e):
                 raise
             said = str(e).splitlines()[0]
             mark = _kill_mark(s) if s.kill_at is not None else None
@@ -427,7 +548,7 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
                 said = said.split(" before ")[0] + f" at step {s.kill_at}: the failure --kill-at planted"
             print(f"minitp train: {said}\nminitp train: restart {attempt + 1} of {max_restarts}, "
                   f"from the last checkpoint in {s.out}", file=sys.stderr, flush=True)
-            s = replace(s, resume=True)
+            s = replace(s, resume=True, overwrite=False)
     if fd is not None:
         os.close(fd)
     if s.out and (not under_torchrun() or os.environ["RANK"] == "0"):
@@ -439,27 +560,54 @@ def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: 
     return results
 
 
+def _refused(error) -> bool:
+    """Whether a rank refused its input (a ``CheckpointError`` or another ``ValueError``): the same
+    refusal would come again after a restart, so none is made."""
+    lines = getattr(error, "remote_traceback", "").strip().splitlines()
+    kind = lines[-1].partition(":")[0] if lines else ""
+    return kind in ("ValueError", "minitp.checkpoint.CheckpointError")
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C (or SIGTERM) while the ranks were finishing their step to save: they were ended
+    at once, and the last checkpoint saved before stays."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 @contextlib.contextmanager
-def _interrupt_saves():
-    """In the parent, while the ranks run: the first Ctrl-C (which the ranks get too) lets them finish the
-    step and save; a second one stops everything at once."""
+def _signals_ask_the_ranks():
+    """In the parent, while the ranks run: Ctrl-C, Jupyter's Interrupt (SIGINT to this process alone)
+    and SIGTERM (``timeout``, a batch scheduler) each ask the ranks to finish the step, save and leave:
+    the parent passes the signal on to every rank (a terminal's Ctrl-C reached them already: asking
+    twice is asking once). A second signal ends everything at once (``StoppedAtOnce``)."""
     if not _main_thread():
         yield
         return
-    pressed = []
+    import multiprocessing
 
-    def on_interrupt(*_):
-        pressed.append(1)
-        if len(pressed) > 1:
-            raise KeyboardInterrupt
-        print("\nminitp train: stopping at the end of this step and saving a checkpoint (Ctrl-C again: stop now)",
+    got = []
+
+    def on_signal(signum, _frame):
+        got.append(signum)
+        if len(got) > 1:
+            raise StoppedAtOnce(signum)
+        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\nminitp train: stopping at the end of this step and saving a checkpoint ({again} again: stop now)",
               file=sys.stderr, flush=True)
+        for child in multiprocessing.active_children():
+            if child.name.startswith("minitp-rank") and child.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
 
-    old = signal.signal(signal.SIGINT, on_interrupt)
+    old = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 def _peak_flops() -> float | None:
@@ -474,8 +622,21 @@ def _peak_flops() -> float | None:
 
 
 def read_log(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a ``log.jsonl``. A last line cut short (the run was killed, or the disk was full,
+    while writing it) is dropped, and said once; a damaged line before the last is refused, naming it."""
+    with open(path, errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}, is not a JSON record: the log was edited or damaged "
+                                 f"(only its last line can be torn by a crash)") from None
+            print(f"minitp: {path}: its last line was cut short (a crash, or a full disk): dropped",
+                  file=sys.stderr)
+    return records
 
 
 def draw_log(log_path: str, png_path: str) -> None:
@@ -497,7 +658,7 @@ def reference(s: Settings, steps: int | None = None) -> tuple[list[float], list[
     model = build(cfg, s.seed)
     loss = moe_loss(model) if isinstance(cfg, MoEConfig) else loss_fn
     optimizer = make_optimizer(model.parameters(), s.lr)
-    train = Sampler(load_corpus(max_files=s.max_files).train, s.batch_size, s.seq_len, s.seed)
+    train = Sampler(load_corpus(s.corpus, max_files=s.max_files).train, s.batch_size, s.seq_len, s.seed)
     losses, norms = [], []
     for step in range(steps or s.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -538,6 +699,8 @@ def sample(model: Transformer, prompt: str, new_tokens: int = 200, temperature: 
     def next_token(logits: torch.Tensor) -> torch.Tensor:
         if temperature <= 0:
             return logits[:, -1].argmax(-1, keepdim=True)
-        return torch.multinomial(torch.softmax(logits[:, -1] / temperature, -1), 1, generator=g)
+        last = logits[:, -1]
+        scaled = (last - last.max(-1, keepdim=True).values) / temperature  # the top byte 0, the rest <= 0: no inf/inf
+        return torch.multinomial(torch.softmax(scaled, -1), 1, generator=g)
 
     return decode(generate(model, tokens, new_tokens, next_token)[0])

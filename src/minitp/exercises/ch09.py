@@ -248,10 +248,10 @@ NO_CLIP = 1e6  # a max_norm no gradient reaches: nothing may change
 
 
 def _real_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """4 sequences of 32 bytes of the standard library's source (step 0 of the training sampler)."""
-    from minitp.data import Sampler, load_corpus
+    """4 sequences of 32 bytes of the course's corpus (step 0 of the training sampler)."""
+    from minitp.data import COURSE_CORPUS, Sampler, load_corpus
 
-    return Sampler(load_corpus().train, 4, 32, seed=0).batch(0)
+    return Sampler(load_corpus(COURSE_CORPUS).train, 4, 32, seed=0).batch(0)
 
 
 def _reference_gradients() -> tuple[float, dict[str, torch.Tensor]]:

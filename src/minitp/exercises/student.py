@@ -34,12 +34,13 @@ What the two forms do with them:
   a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived cells
   right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs included,
   behind ``<details>`` "Show a worked answer", after the exercise's hints (a Markdown cell opening with
-  ``**Hints``, stored after the checker, moves up to sit between the stub and the fold; its text from
-  its first heading on, the next exercise, stays where it was). A page has no kernel, so the live
-  widgets go: each output loses its ``application/vnd.jupyter.widget-view+json`` entry (the rest
-  stays: a control's static twin is its ``text/html``), an output left with only the widget's
-  ``text/plain`` repr (``interactive(children=…``) is dropped, and so is the notebook's ``widgets``
-  metadata (with it, the page would load a widget renderer from a CDN).
+  ``**Hints``, or with its first hint's ``<details><summary>Hint`` fold, stored after the checker,
+  moves up to sit between the stub and the fold; its text from its first heading on, the next
+  exercise, stays where it was). A page has no kernel, so the live widgets go: each output loses its
+  ``application/vnd.jupyter.widget-view+json`` entry (the rest stays: a control's static twin is its
+  ``text/html``), an output left with only the widget's ``text/plain`` repr (``interactive(children=…``)
+  is dropped, and so is the notebook's ``widgets`` metadata (with it, the page would load a widget
+  renderer from a CDN).
 
 Only the standard library is used (the notebook is JSON), so this runs wherever minitp is installed.
 """
@@ -68,7 +69,9 @@ LIVE_CONTROL_LINE = "Run this cell: the live control appears here."  # a learner
 # What ipykernel installs and JupyterLab writes into a notebook it opens: stored the same, a chapter opens
 # unchanged (tests/test_student.py checks every chapter carries it).
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-HINTS = re.compile(r"\s*\*\*Hints\b")  # an exercise's hints: a Markdown cell that opens with **Hints
+# An exercise's hints: a Markdown cell that opens with **Hints, or straight with its first hint's fold
+# (<details><summary>Hint 1</summary>, as chapters 06 and 10 write some)
+HINTS = re.compile(r"\s*(\*\*Hints\b|<details>\s*<summary>\s*Hint\b)")
 HEADING = re.compile(r"#{1,6} ")  # a Markdown heading: in a hints cell, where the next exercise begins
 
 
@@ -385,9 +388,9 @@ def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]
     Before each answer cell, its stub (tag ``minitp-stub``, no output); the answer cell and the
     answer-derived cells that follow it without a Markdown cell between are tagged ``minitp-answer``.
     An answer-derived cell further on is tagged too and becomes a fold of its own. The exercise's hints
-    (a Markdown cell opening with ``**Hints`` right after a fold) move up before the fold: hints first,
-    the worked answer last. No live widget is left (see :func:`without_widgets`), nor the ``widgets``
-    metadata.
+    (a Markdown cell opening with ``**Hints`` or with a hint's fold, right after a fold) move up before
+    the fold: hints first, the worked answer last. No live widget is left (see :func:`without_widgets`),
+    nor the ``widgets`` metadata.
     """
     original = json.loads(json.dumps(notebook))
     original.get("metadata", {}).pop("widgets", None)

@@ -45,7 +45,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -117,7 +116,8 @@ def device():
 
 
 def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float = 120.0,
-           start_method: str | None = None, echo: bool = True, max_procs: int | None = None) -> Results:
+           start_method: str | None = None, echo: bool = True, max_procs: int | None = None,
+           keep_sigterm: bool = False) -> Results:
     """Run ``fn(*args)`` on ``nprocs`` processes in one process group; return per-rank results.
 
     backend: "gloo" (CPU) or "nccl" (one GPU per rank, ``cuda:LOCAL_RANK``).
@@ -125,6 +125,8 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
     start_method: "fork" (the default on Linux without a GPU), "spawn" (the default elsewhere) or "forkserver".
     echo: print each rank's output (grouped by rank, in rank order) when the run ends.
     max_procs: the most processes allowed (default: ``MINITP_MAX_PROCS``, else what memory holds).
+    keep_sigterm: SIGTERM to the parent is the caller's (a trainer passes it on to its ranks, which
+    save and leave); by default it ends the ranks at once and removes the run's folder.
     """
     if not callable(fn):
         raise ValueError(f"fn must be a callable to run on every rank, got {type(fn).__name__} {fn!r:.80}")
@@ -143,10 +145,10 @@ def launch(fn, nprocs: int | None, *args, backend: str = "gloo", timeout: float 
         guard.warm_optimizer_imports(fn, args)
     payload = cloudpickle.dumps((fn, args))
     guard.remove_stale_workdirs()
-    workdir = tempfile.mkdtemp(prefix=f"minitp-{os.getpid()}-")
+    workdir = guard.make_workdir()
     t0 = time.perf_counter()
     procs = []
-    restore_sigterm = _clean_up_on_sigterm(procs, workdir)
+    restore_sigterm = (lambda: None) if keep_sigterm else _clean_up_on_sigterm(procs, workdir)
     try:
         with warnings.catch_warnings():
             # Python >= 3.12 warns on forking a threaded process (a Jupyter kernel always is). The

@@ -34,6 +34,7 @@ JOIN_TIMEOUT_S = 60  # its default: torchrun starts every rank at once, so the j
 # (a stale export in a shell, a program a rank started) names another pid and is ignored.
 WORKER_ENV = "MINITP_WORKER"
 WORKDIR = re.compile(r"minitp-(\d+)-")  # a launch's temporary folder: minitp-<parent pid>-<random>
+WORKDIR_MARK = ".minitp-launch"  # written first into that folder: its parent's pid
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
               "off": False, "": False}
@@ -238,9 +239,31 @@ def listen_on_loopback() -> None:
         os.environ["NCCL_SOCKET_IFNAME"] = loopback
 
 
+def make_workdir() -> str:
+    """A launch's temporary folder, ``minitp-<pid>-<random>``, with its mark written first: the one
+    proof ``remove_stale_workdirs`` accepts that a launch made it."""
+    workdir = tempfile.mkdtemp(prefix=f"minitp-{os.getpid()}-")
+    with open(os.path.join(workdir, WORKDIR_MARK), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    return workdir
+
+
+def _made_by_a_launch(path: str, pid: int) -> bool:
+    """Whether ``path`` is a folder of this user holding a launch's mark naming ``pid``."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path) or os.lstat(path).st_uid != os.getuid():
+            return False
+        with open(os.path.join(path, WORKDIR_MARK)) as f:
+            return f.read().strip() == str(pid)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def remove_stale_workdirs() -> list[str]:
-    """Remove this user's ``minitp-<pid>-*`` temporary folders whose parent process is gone (it was
-    killed before it could clean up); return their paths."""
+    """Remove the temporary folders of launches whose parent process is gone (it was killed before it
+    could clean up); return their paths. Only a folder a launch made goes: named ``minitp-<pid>-*``,
+    its pid gone, and holding the mark ``make_workdir`` wrote first. A learner's own
+    ``minitp-2024-results`` matches the name, holds no mark, and stays."""
     tmp = tempfile.gettempdir()
     try:
         names = os.listdir(tmp)
@@ -252,10 +275,7 @@ def remove_stale_workdirs() -> list[str]:
         if not match or _pid_alive(int(match[1])):
             continue
         path = os.path.join(tmp, name)
-        try:
-            if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path):
-                continue
-        except OSError:
+        if not _made_by_a_launch(path, int(match[1])):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

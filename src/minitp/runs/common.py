@@ -70,9 +70,10 @@ def check_memory(cfg, nproc: int, local_batch: int, seq: int, tp: int = 1) -> No
     have = available_memory()
     if have is not None and need > have and not skip:
         moe = hasattr(cfg, "n_experts")
-        model = (f"{cfg.num_params() / 1e9:.2f} B parameters" + (f" with {cfg.n_experts} experts per block" if moe
-                                                                 else ""))
-        raise ValueError(f"this run needs about {need / 2**30:.1f} GiB ({nproc} ranks x "
+        n = cfg.num_params()
+        model = (f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M") + " parameters"
+        model += f" with {cfg.n_experts} experts per block" if moe else ""
+        raise ValueError(f"this run needs about {need / 2**30:.1f} GiB ({nproc} rank{'s' * (nproc > 1)} x "
                          f"{need / nproc / 2**30:.2f} GiB: each builds the whole model, {model}, and holds "
                          f"batch {local_batch} x {seq} tokens) but {have / 2**30:.1f} GiB is available: use a "
                          f"smaller batch_size, seq_len or nproc" + (", or fewer experts" if moe else "")

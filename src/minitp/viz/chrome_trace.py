@@ -70,9 +70,19 @@ def _process_name(rank: int, coords: list[dict] | None) -> str:
     return f"rank {rank} ({inside})" if inside else f"rank {rank}"
 
 
+def _inset(e: Event) -> float:
+    """How far inside its slice an arrow's end sits: a viewer ties the end to the slice open at that
+    time, and at the slice's very edge that may be its neighbour (1 µs, less in a short slice)."""
+    return min(1e-6, max(e.end - e.start, 0.0) / 4)
+
+
 def _flows(placed: list[tuple[Event, str]], tid: dict[str, int], t0: float) -> list[dict]:
     """An arrow from each send to its receive: between two ranks in one group, the k-th send meets the
-    k-th receive (messages of a pair arrive in the order they were posted). Each end sits mid-slice."""
+    k-th receive (messages of a pair arrive in the order they were posted). The arrow leaves as the send
+    starts (an ``isend`` hands its buffer over when posted) and lands where the receive completes: an
+    ``irecv`` is posted early (a pipeline posts its receives as the step starts) and its slice ends
+    when its ``wait`` returned, the first moment the data is known to be there. A receive cannot
+    complete before its send began (ranks on one machine share the clock), so every arrow goes forward."""
     sends, recvs = defaultdict(list), defaultdict(list)
     for e, track in placed:
         if e.op == "send":
@@ -82,10 +92,11 @@ def _flows(placed: list[tuple[Event, str]], tid: dict[str, int], t0: float) -> l
     out = []
     for pair, sent in sends.items():
         for (s, s_track), (r, r_track) in zip(sent, recvs.get(pair, [])):
+            leaves = s.start + _inset(s)
+            lands = max(r.end - _inset(r), leaves)
             flow = {"name": "message", "cat": "p2p", "id": len(out) // 2}
-            out.append({**flow, "ph": "s", "pid": s.rank, "tid": tid[s_track], "ts": _us((s.start + s.end) / 2 - t0)})
-            out.append({**flow, "ph": "f", "bp": "e", "pid": r.rank, "tid": tid[r_track],
-                        "ts": _us((r.start + r.end) / 2 - t0)})
+            out.append({**flow, "ph": "s", "pid": s.rank, "tid": tid[s_track], "ts": _us(leaves - t0)})
+            out.append({**flow, "ph": "f", "bp": "e", "pid": r.rank, "tid": tid[r_track], "ts": _us(lands - t0)})
     return out
 
 
