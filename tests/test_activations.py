@@ -8,6 +8,7 @@ from minitp import tp as tensor_parallel
 from minitp.launcher import launch
 from minitp.measure import activations
 from minitp.models import TINY, build_model
+from minitp.runs.measuring import measure_activations
 
 B, S = 2, 16
 
@@ -16,7 +17,7 @@ B, S = 2, 16
     (1, False, False), (2, False, False), (2, True, False), (2, False, True), (2, True, True), (4, True, False),
 ])
 def test_what_each_block_saves_on_each_rank_is_the_tiny_formula(tp, sequence_parallel, recompute):
-    measured = activations.measure(tp, sequence_parallel, recompute, batch=B, seq=S)
+    measured = measure_activations(tp, sequence_parallel, recompute, batch=B, seq=S)
     formula = cost.tiny_block_activation_bytes(TINY, B, S, tp, sequence_parallel, recompute)
     assert measured == [[formula] * TINY.n_layers] * tp
 

@@ -9,6 +9,7 @@ from minitp.measure import calibrate
 from minitp.models import TINY
 from minitp.models.moe import moe_config
 from minitp.models.train import TrainConfig
+from minitp.runs import measuring
 from minitp.runs.common import predicted_step_s
 from minitp.runs.report import Report, format_report
 
@@ -65,14 +66,14 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     def recorded(fn, n, *a, **k):
         if fn is calibrate._busy_step_worker:
             return busy[n]
-        if fn is calibrate._own_work_worker:
+        if fn is measuring._own_work_worker:
             return [RECORDED_OWN]
-        if fn is calibrate._op_cost_worker:
+        if fn is measuring._op_cost_worker:
             return [RECORDED_OP_COSTS]
         return RECORDED if n == 2 else RECORDED_4
 
     monkeypatch.setattr(minitp.launcher, "launch", recorded)
-    cal = calibrate.calibrate(repeats=3, sizes=(4, 2**16, 2**20))
+    cal = measuring.calibrate(repeats=3, sizes=(4, 2**16, 2**20))
     means = {b: max(r["all_reduce"][b][0] for r in RECORDED) for b in (4, 2**16, 2**20)}
     assert (cal["alpha_s"], cal["bytes_per_s"]) == calibrate.fit_alpha_beta(means, 2)  # the slower rank's mean
     shared = {b: max(r["all_reduce"][b][0] for r in RECORDED_4) for b in (4, 2**16, 2**20)}
@@ -133,7 +134,7 @@ def test_an_added_operation_costs_the_growth_over_the_plain_pass_per_operation_a
 
 def test_the_operation_cost_measurement_counts_what_ring_attention_and_a_moe_add_at_one_rank():
     from minitp.launcher import launch
-    result = launch(calibrate._op_cost_worker, 1, 1, echo=False, timeout=120)[0]
+    result = launch(measuring._op_cost_worker, 1, 1, echo=False, timeout=120)[0]
     assert set(result["fb_s"]) == {"plain", "cp", "ep"} and all(t > 0 for t in result["fb_s"].values())
     assert result["ops"]["plain"] < result["ops"]["cp"] and result["ops"]["plain"] < result["ops"]["ep"]
 
@@ -141,7 +142,7 @@ def test_the_operation_cost_measurement_counts_what_ring_attention_and_a_moe_add
 def test_the_own_code_measurement_runs_each_strategy_at_one_rank_and_counts_its_calls():
     from minitp.cost.time import _ring_steps
     from minitp.launcher import launch
-    result = launch(calibrate._own_work_worker, 1, 2, echo=False, timeout=120)[0]
+    result = launch(measuring._own_work_worker, 1, 2, echo=False, timeout=120)[0]
     assert set(result["step_s"]) == {"plain", *calibrate.OWN_STRATEGIES} and result["call_s"] > 0
     assert all(t > 0 for t in result["step_s"].values())  # what it measured, not how fast
     # the calls are counted, not timed: the plain model calls none; tensor parallel's are the 4 per block
@@ -183,7 +184,7 @@ def test_fit_alpha_beta_refuses_times_that_do_not_grow_with_size():
 def test_cli_calibrate_stores_unless_dry_run(tmp_path, monkeypatch, capsys):
     fixture = {"name": "fixture", "flops_per_s": 5e10, "flops_per_s_large": 6e10, "matmul_shape": [1, 2, 3],
                "step_overhead_s": 0.01, "alpha_s": 5e-5, "bytes_per_s": 1e9, "cores": 2}
-    monkeypatch.setattr(calibrate, "calibrate", lambda: dict(fixture))
+    monkeypatch.setattr(measuring, "calibrate", lambda: dict(fixture))
     monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "sub" / "cal.json"))
     assert cli.main(["calibrate", "--dry-run"]) == 0
     assert "50.00 GFLOP/s per rank" in capsys.readouterr().out and not (tmp_path / "sub").exists()
@@ -293,7 +294,7 @@ def test_a_file_that_cannot_be_read_as_text_or_at_all_is_set_aside(tmp_path, mon
 @pytest.mark.parametrize("where", ["folder", "under_a_file", "unwritable"])
 def test_calibrate_refuses_where_it_cannot_store_before_measuring(tmp_path, monkeypatch, capsys, where):
     measured = []
-    monkeypatch.setattr(calibrate, "calibrate", lambda: measured.append(1) or {})
+    monkeypatch.setattr(measuring, "calibrate", lambda: measured.append(1) or {})
     (tmp_path / "file").write_text("x")
     locked = tmp_path / "locked"
     locked.mkdir()

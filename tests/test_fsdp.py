@@ -154,6 +154,15 @@ def test_fsdp_padding_is_what_the_formula_counts():
     assert cost.total_memory(mem) == 16 * (CFG.num_params() + 5) / 3 + 4 * len(numels)
 
 
+def test_fsdp_counts_the_bytes_it_holds_as_measure_memory_counts_them():
+    from minitp.fsdp import _storage_bytes
+    from minitp.measure.memory import storage_bytes
+
+    flat, other, empty = torch.zeros(12), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(0)
+    cases = [[flat], [flat, flat[:6], flat.view(3, 4)], [flat, None, other], [empty, other[2:]], [None], []]
+    assert [_storage_bytes(c) for c in cases] == [storage_bytes(c) for c in cases] == [48, 48, 58, 10, 0, 0]
+
+
 def _against_fully_shard_worker(train, mixed):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

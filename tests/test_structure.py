@@ -1,20 +1,35 @@
-"""The house rules of minitp's source, read with ``ast``: no import cycle, strategies import only the
-road, the five dimensions named once, every process group of the trainer made by the mesh, nothing
-patched onto another object. Each rule is checked on the real tree, and a planted violation is caught."""
+"""The house rules of minitp's source as ``../shared/DESIGN.md`` writes them, read with ``ast``: no import
+cycle; a strategy imports only the road (comm, regions, trace, layout, mesh) and models, and the helpers
+named below as its own; models, measure and viz import no strategy, not even through another module; the
+five dimensions are named once (no literal list of them outside ``layout``); every process group of the
+trainer is made by the mesh; nothing is patched onto another object. Each rule is checked on the real
+tree, and a planted violation of each is caught by the same function."""
 
 import ast
 import functools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-STRATEGIES = ("ddp", "fsdp", "tp", "pp", "cp", "ep")
-ROAD = {"comm", "regions", "trace", "layout", "mesh", "replicas", "measure", "models", "fsdp_units", "pp_schedules"}
-FORBIDDEN = {"launcher", "runs", "viz", "cost", "plan", "exercises", "checkpoint", "parallel3d", "cli"}
+STRATEGIES = ("ddp", "fsdp", "tp", "pp", "cp", "ep", "ring")  # DESIGN.md: one strategy each
+ROAD = ("comm", "regions", "trace", "layout", "mesh")  # DESIGN.md's road, exactly
+# a file that is one strategy's own (or the road's), and who may import it: allowed one by one
+OWN_HELPERS = {
+    "fsdp_units": {"fsdp"},  # how FSDP lays out its units and shards
+    "pp_schedules": {"pp"},  # the pipeline schedules, as data
+    "replicas": {"ddp", "fsdp", "cp", "ep"},  # the one data-parallel protocol: no_sync, finish_gradients
+    "grid": {"mesh"},  # the mesh's arithmetic
+}
+NO_STRATEGY = ("models", "measure", "viz")  # plain models; measuring and figures run no strategy
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(SRC).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_of(module: str) -> Path:
+    path = SRC / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,6 +78,16 @@ def graph_of(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
     return {name: imported(name, tree, known) - {name} for name, tree in trees.items()}
 
 
+def planted(**extra: str) -> dict[str, ast.Module]:
+    """The real tree, with lines added to some modules' source (``measure__memory=`` for
+    ``minitp.measure.memory``)."""
+    trees = dict(modules())
+    for key, lines in extra.items():
+        module = "minitp." + key.replace("__", ".")
+        trees[module] = ast.parse(source_of(module).read_text() + "\n" + lines)
+    return trees
+
+
 def test_no_import_cycle_among_minitp_modules():
     assert cycles(graph_of(modules())) == []
 
@@ -71,31 +96,141 @@ def test_a_planted_cycle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
-def test_comm_imports_no_cost_and_strategies_import_only_the_road():
-    graph = graph_of(modules())
-    assert not any(m.startswith("minitp.cost") for m in graph["minitp.comm"])
-    for strategy in STRATEGIES:
-        for dep in graph[f"minitp.{strategy}"]:
-            top = dep.split(".")[1]
-            assert top not in FORBIDDEN and top not in STRATEGIES, f"minitp.{strategy} imports {dep}"
-            assert top in ROAD, f"minitp.{strategy} imports {dep}, which is not on the road"
+# -- a strategy imports only the road and models ------------------------------------------------------------
+def wing(module: str) -> str:
+    """The name under minitp: ``minitp.measure.memory`` -> ``measure``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def road_violations(graph: dict[str, set[str]]) -> list[str]:
+    """What a strategy imports beyond the road, models and its own helpers; what the road imports
+    beyond the road (and its own helper); what a strategy's helper imports beyond the road and models."""
+    found = []
+    for name in (*STRATEGIES, *ROAD, *OWN_HELPERS):
+        allowed = set(ROAD) | {helper for helper, readers in OWN_HELPERS.items() if name in readers}
+        if name not in ROAD:
+            allowed.add("models")
+        found += [f"minitp.{name} imports {dep}" for dep in sorted(graph[f"minitp.{name}"])
+                  if wing(dep) not in allowed]
+    return found
+
+
+def test_strategies_import_only_the_road_models_and_their_own_helpers():
+    assert road_violations(graph_of(modules())) == []
+
+
+def test_a_planted_import_off_the_road_is_found():
+    graph = graph_of(planted(
+        ddp="from minitp.measure.memory import held_bytes",  # measuring, in a strategy
+        tp="from minitp import replicas",  # a helper that is not its own
+        fsdp="from minitp import tp",  # another strategy
+        comm="from minitp.cost import Device",  # the road off the road
+        replicas="import minitp.launcher",  # a helper off the road
+    ))
+    assert road_violations(graph) == [
+        "minitp.ddp imports minitp.measure.memory", "minitp.fsdp imports minitp.tp",
+        "minitp.tp imports minitp.replicas", "minitp.comm imports minitp.cost",
+        "minitp.replicas imports minitp.launcher"]
+
+
+# -- models, measure and viz import no strategy -------------------------------------------------------------
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """What importing ``start`` runs: the modules it imports, followed, and each one's packages."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += graph.get(name, ())
+            todo += [name.rpartition(".")[0]] if "." in name else []
+    return seen - {start}
+
+
+def strategy_importers(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of models, measure and viz that import a strategy, directly or through another."""
+    strategies = {f"minitp.{s}" for s in STRATEGIES}
+    hits = {name: sorted(reached(graph, name) & strategies) for name in sorted(graph) if wing(name) in NO_STRATEGY}
+    return [f"{name} imports {', '.join(hit)}" for name, hit in hits.items() if hit]
+
+
+def test_models_measure_and_viz_import_no_strategy():
+    assert strategy_importers(graph_of(modules())) == []
+
+
+def test_a_planted_strategy_in_models_measure_or_viz_is_found():
+    graph = graph_of(planted(
+        models__llama="import minitp.tp",
+        measure__activations="from minitp.runs.measuring import measure_activations",  # through a runner
+        viz__style="from minitp.parallel3d import Parallel3D",  # through the composed model
+    ))
+    found = dict(line.split(" imports ") for line in strategy_importers(graph))
+    assert found["minitp.models.llama"] == found["minitp.models.moe"] == "minitp.tp"  # moe through llama
+    assert found["minitp.measure.activations"] == ", ".join(f"minitp.{s}" for s in sorted(STRATEGIES[:6]))
+    assert found["minitp.viz.style"] == found["minitp.measure.activations"]
+
+
+# -- the five dimensions are named once -----------------------------------------------------------------
+def dims_assigned(trees: dict[str, ast.Module]) -> list[str]:
+    return [name for name, tree in trees.items() for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "DIMS" for t in node.targets)]
+
+
+def dimension_lists(trees: dict[str, ast.Module]) -> list[tuple[str, str]]:
+    """(module, the literal) for each tuple, list or set that writes out three or more of the five
+    dimension names, outside ``layout`` (a pair picks two; three or more list them again). A literal
+    that also names ddp, fsdp or 3d lists strategies (or their trace tracks), not mesh dimensions."""
+    from minitp.layout import DIMS
+
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if name == "minitp.layout" or not isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                continue
+            words = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            if len(words & set(DIMS)) >= 3 and not words & {"ddp", "fsdp", "3d"}:
+                found.append((name, ast.unparse(node)))
+    return found
 
 
 def test_the_five_dimensions_are_named_once():
-    where = [name for name, tree in modules().items() for node in ast.walk(tree)
-             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "DIMS" for t in node.targets)]
-    assert where == ["minitp.layout"]
+    assert dims_assigned(modules()) == ["minitp.layout"]
     from minitp import layout
     assert set(layout.DIMS) == {"dp", "pp", "cp", "ep", "tp"}
+    assert dimension_lists(modules()) == []
+
+
+def test_a_planted_list_of_dimensions_is_found():
+    trees = {"minitp.layout": ast.parse('DIMS = ("dp", "pp", "tp", "cp", "ep")\nAXES = ("dp", "pp", "tp")\n'),
+             "minitp.viz.fake": ast.parse('for d in ("dp", "tp", "pp"):\n    pass\n'
+                                          'names = ["tp", "cp", "ep", "steps"]\n'
+                                          'pair = ("cp", "ep")\n'  # picks two: not a list of them
+                                          'runs = ("ddp", "fsdp", "tp", "pp", "3d")\n'  # strategies
+                                          'DIMS = {"dp", "tp"}\n')}
+    assert dimension_lists(trees) == [("minitp.viz.fake", "('dp', 'tp', 'pp')"),
+                                      ("minitp.viz.fake", "['tp', 'cp', 'ep', 'steps']")]
+    assert dims_assigned(trees) == ["minitp.layout", "minitp.viz.fake"]
+
+
+# -- every process group of the trainer is made by the mesh -------------------------------------------------
+def group_makers(trees: dict[str, ast.Module]) -> set[str]:
+    return {name for name, tree in trees.items() for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "new_group"}
+
+
+# exercises' checkers build groups to check a learner's answer, and the ep runner its own world's two
+KNOWN_GROUP_MAKERS = {"minitp.exercises.ch06", "minitp.runs.expert_parallel"}
 
 
 def test_only_the_mesh_makes_process_groups_for_the_trainer():
-    makers = {name for name, tree in modules().items() for node in ast.walk(tree)
-              if isinstance(node, ast.Attribute) and node.attr == "new_group"}
-    # exercises' checkers build groups to check a learner's answer, and the ep runner its own world's two
-    assert makers - {"minitp.exercises.ch06", "minitp.runs.expert_parallel"} == {"minitp.mesh"}
+    assert group_makers(modules()) - KNOWN_GROUP_MAKERS == {"minitp.mesh"}
 
 
+def test_a_planted_process_group_is_found():
+    trees = planted(pp="group = torch.distributed.new_group([0, 1])")
+    assert group_makers(trees) - KNOWN_GROUP_MAKERS == {"minitp.mesh", "minitp.pp"}
+
+
+# -- nothing is patched onto another object ----------------------------------------------------------------
 def patches(tree: ast.Module) -> list[str]:
     """Attribute assignments onto another object's forward/attend/cp_group, setattr, and the
     getattr/hasattr probes for split_dims and aux_loss."""
@@ -131,8 +266,9 @@ def test_a_planted_patch_is_found():
     assert len(patches(tree)) == 4
 
 
-# One interpreter imports torch once, then forks a child per strategy: each child starts with no minitp module
-# loaded, imports the strategy and lists what came with it from the launcher, cost, figures or runners.
+# -- what importing a strategy loads, for real ----------------------------------------------------------------
+# One interpreter imports torch once, then forks a child per module: each child starts with no minitp module
+# loaded, imports it and lists what came with it from the launcher, cost, figures, runners or measuring.
 IMPORTS = """
 import os, sys, torch
 for name in sys.argv[1:]:
@@ -141,7 +277,8 @@ for name in sys.argv[1:]:
         import importlib
         importlib.import_module("minitp." + name)
         bad = sorted(m for m in sys.modules if m.split(".")[:2] in
-                     (["minitp", "launcher"], ["minitp", "cost"], ["minitp", "viz"], ["minitp", "runs"]))
+                     (["minitp", "launcher"], ["minitp", "cost"], ["minitp", "viz"], ["minitp", "runs"],
+                      ["minitp", "measure"]))
         os.write(write, (name + ": " + ",".join(bad)).encode())
         os._exit(0)
     os.close(write)
@@ -150,9 +287,12 @@ for name in sys.argv[1:]:
 """
 
 
-def test_a_strategy_module_imports_without_the_launcher_cost_or_figures():
+def test_a_strategy_module_imports_without_the_launcher_cost_figures_runners_or_measuring():
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", IMPORTS, *STRATEGIES], capture_output=True, text=True,
+    # plan is planted: it reads minitp.cost, so its line must name it
+    out = subprocess.run([sys.executable, "-c", IMPORTS, *STRATEGIES, "plan"], capture_output=True, text=True,
                          check=True).stdout.split("\n")
-    assert [line for line in out if line] == [f"{s}: " for s in STRATEGIES]
+    lines = [line for line in out if line]
+    assert lines[:-1] == [f"{s}: " for s in STRATEGIES]
+    assert lines[-1].startswith("plan: ") and "minitp.cost" in lines[-1].removeprefix("plan: ").split(",")

@@ -4,7 +4,8 @@
     minitp run fsdp --nproc 4 [--zero 1|2|3] [--mixed-precision bf16] [--steps K] [--json PATH]
     minitp run tp --nproc 4 [--sequence-parallel] [--steps K] [--json PATH]
     minitp run swiglu --nproc 4 [--steps K] [--json PATH]      (the tensor-parallel MLP alone)
-    minitp run pp --nproc 4 [--microbatches M] [--schedule gpipe|1f1b] [--steps K] [--json PATH]
+    minitp run pp --nproc 4 [--microbatches M] [--schedule gpipe|1f1b|interleaved|zb]
+        [--virtual-stages V] [--steps K] [--json PATH]
     minitp run 3d --dp 2 --tp 2 --pp 2 [--fsdp [--zero Z]] [--save-to DIR] [--resume-from DIR]
     minitp plan --model llama3-8b --gpus 64 --gpu-memory 80      (the layouts that fit; no run)
         [--sequence-parallel] [--recompute | --selective-recompute] [--device h100|a100]
@@ -33,6 +34,7 @@ from dataclasses import replace
 
 from minitp import runs  # noqa: F401  (registers every strategy)
 from minitp.launcher import LaunchError, RankError
+from minitp.layout import AXES, DIMS
 from minitp.plan import MAX_GPUS
 from minitp.runs.context_parallel import ATTENTION
 from minitp.runs.registry import STRATEGIES, Option, OptionError, Strategy
@@ -190,11 +192,12 @@ PLAN_OPTIONS = (
 
 def _calibrate(args: argparse.Namespace) -> int:
     from minitp.measure import calibrate
+    from minitp.runs import measuring
 
     _check_output_file("--json", args.json)
     if not args.dry_run:  # where it will be stored, before seconds of measuring
         calibrate.check_store()
-    cal = calibrate.calibrate()
+    cal = measuring.calibrate()
     print(calibrate.format_calibration(cal))
     if not args.dry_run:
         print(f"stored in {calibrate.save(cal)}")
@@ -215,7 +218,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
     _check_output_file("--trace-out", args.trace_out, made_folder=args.out)  # train makes --out, nothing else
-    dims = {d: getattr(args, d) for d in ("dp", "tp", "pp", "cp")}
+    dims = {d: getattr(args, d) for d in DIMS if d != "ep"}
     if args.layout == "auto" and any(v > 1 for v in dims.values()):
         raise ValueError("--layout auto picks dp, tp and pp itself: give it --nproc N, without --dp/--tp/--pp/--cp")
     world = args.dp * args.tp * args.pp * args.cp
@@ -249,7 +252,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.trace_out:
         from minitp.viz.chrome_trace import write_chrome_trace
 
-        coords = [dict(zip(("dp", "pp", "tp"), r["coords"])) for r in results]
+        coords = [dict(zip(AXES, r["coords"])) for r in results]
         write_chrome_trace(args.trace_out, results.traces, coords=coords)
         print(f"the last step's trace written to {args.trace_out}")
     if results[0]["stopped"]:

@@ -104,8 +104,10 @@ def load_corpus(root: str | None = None, val_percent: int = 5, cache_dir: str | 
     try:
         return _load_corpus(root, val_percent, cache_dir, max_files, verify)
     except OSError as e:  # most often the cache (or an archive's folder in it) cannot be written
+        if e.filename is None:  # one of ours, with its own message (a missing root)
+            raise
         cache = cache_folder(cache_dir)
-        if e.filename is not None and str(e.filename).startswith(str(cache)):
+        if str(e.filename).startswith(str(cache)):
             raise ValueError(f"the corpus cache {cache} cannot be written ({e.strerror}: {e.filename}): set "
                              f"MINITP_CACHE to a folder you can write") from None
         raise ValueError(f"the corpus could not be read ({e.strerror}: {e.filename})") from None

@@ -64,7 +64,6 @@ from minitp import comm, fsdp_units
 from minitp import trace as _trace
 from minitp.fsdp_units import LocalPiece, Unit, UnitPlan, WrapPolicy, plan_units, unit_numels, wrap_blocks  # noqa: F401
 from minitp.layout import padded_numel, shard_range
-from minitp.measure.memory import storage_bytes
 from minitp.replicas import GradientSync, used_by_no_rank
 
 
@@ -434,11 +433,18 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         if self.optimizer is not None:
             for s in self.optimizer.state.values():
                 state.extend(v for v in s.values() if isinstance(v, torch.Tensor))
-        return {"params": storage_bytes(params), "grads": storage_bytes(grads),
-                "optimizer": storage_bytes(state)}
+        return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
+                "optimizer": _storage_bytes(state)}
 
     def unit_numels(self) -> list[int]:
         return [u.plan.numel for u in self.units]
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (a view shares its base's); None
+    is skipped. How ``minitp.measure.memory`` counts what any model holds, from outside."""
+    storages = (t.untyped_storage() for t in tensors if t is not None)
+    return sum(nbytes for _, nbytes in {(s.data_ptr(), s.nbytes()) for s in storages})
 
 
 def _mark_used(used: list[bool], i: int, grad: torch.Tensor) -> None:

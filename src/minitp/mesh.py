@@ -30,7 +30,7 @@ The two other dimensions split a dp group (the ranks that average gradients toge
 ``torch.distributed.new_group`` must be called by every rank of the world, for every group, in
 the same order (even for groups the rank is not in), so ``Mesh`` builds all of them, in a fixed
 order, and keeps the ones it belongs to. The arithmetic needs no process group and lives in
-``minitp.layout`` (with ``check_composition``, what composes with what); the trainer that composes
+``minitp.grid`` (with ``check_composition``, what composes with what); the trainer that composes
 the strategies on a mesh is ``minitp.parallel3d.Parallel3D``.
 """
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from minitp import comm
 from minitp.grid import check_layout, coordinates, group_lists, rank_of
-from minitp.layout import DIMS, check_divisible
+from minitp.layout import AXES, DIMS, check_divisible
 
 
 class Mesh:
@@ -68,7 +68,8 @@ class Mesh:
         self.group_ranks: dict[str, list[int]] = {}
         self.cp_group = self.ep_group = self.expert_dp_group = None
         lists = group_lists(dp, pp, tp)
-        groups = {dim: self._make(dim, lists[dim]) for dim in ("tp", "pp", "dp")}  # the same order on every rank
+        # tp, pp, dp (the fastest axis first): the same order on every rank
+        groups = {dim: self._make(dim, lists[dim]) for dim in reversed(AXES)}
         self.tp_group, self.pp_group, self.dp_group = groups["tp"], groups["pp"], groups["dp"]
         if cp > 1:
             self.cp_group = self._make("cp", [ranks[i:i + cp] for ranks in lists["dp"] for i in range(0, dp, cp)])

@@ -11,7 +11,8 @@ by the earlier chapters' code, in the order that lets each one see what it needs
 Every wrapper of step 3 (and expert parallel's, in its place) keeps the same data-parallel protocol
 (``minitp.replicas``: ``no_sync()``, ``finish_gradients()``), so the trainer never asks which one it
 holds. Also here: the inverse, whole tensors from every rank's tp slices (``unshard_3d``). The mesh
-and every group are in ``minitp.mesh``; the arithmetic and what composes with what in ``minitp.layout``.
+and every group are in ``minitp.mesh``; the arithmetic and what composes with what in
+``minitp.grid``.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from dataclasses import asdict, replace
 from minitp import cost
 from minitp.cost.context import check_cp_attention, check_ulysses_heads, cp_attention_activation_bytes_per_rank
 from minitp.grid import check_3d_layout, check_zero, layouts  # noqa: F401  (plan.layouts: every layout)
-from minitp.layout import check_divisible, check_positive
+from minitp.layout import AXES, check_divisible, check_positive
 from minitp.models import ModelConfig
 
 GIB = 2**30
@@ -127,7 +127,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     states, kept_activations = stages[worst][0], stages[worst][1]
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
                           precision, sequence_parallel, recompute, cp=cp, ep=ep, cp_attention=cp_attention)
-    dims = ("tp", "pp", "dp", "cp") + (("ep",) if moe else ())
+    dims = (*reversed(AXES), "cp") + (("ep",) if moe else ())  # tp, pp, dp (fastest first), cp
     return {
         "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "cp_attention": cp_attention,
         "data_parallel": data_parallel, "zero": zero,

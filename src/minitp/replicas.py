@@ -1,8 +1,8 @@
 """What every wrapper that keeps replicas in step shares: one data-parallel protocol.
 
 DDP, FSDP, and the replicated parts of expert and context parallel all average gradients over a
-group of ranks after backward. Each exposes the same two things, so a trainer (``minitp.parallel``)
-calls them without asking which one it holds:
+group of ranks after backward. Each exposes the same two things, so a trainer
+(``minitp.parallel3d.Parallel3D``) calls them without asking which one it holds:
 
 * ``no_sync()``: backward passes inside accumulate gradients locally and send nothing (gradient
   accumulation; a pipeline's micro-batches, each running its own backward);

@@ -68,21 +68,6 @@ def _step(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group, 
     handle.wait()
 
 
-def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None, label: str = "ring") -> int:
-    """Sum ``chunks`` (n views of one buffer) over the group in place, the ring way.
-
-    Returns the index of the chunk this rank ends up holding complete: (r+1) mod n. The other
-    chunks hold partial sums afterwards.
-    """
-    n, r, right, left = _neighbours(group)
-    for step in range(n - 1):
-        send_i, recv_i = (r - step) % n, (r - step - 1) % n
-        incoming = torch.empty_like(chunks[recv_i])
-        _step(chunks[send_i], incoming, right, left, group, f"{label}/reduce_scatter/step{step}")
-        chunks[recv_i] += incoming  # add what the left neighbour has summed so far
-    return (r + 1) % n
-
-
 def ring_all_gather_(chunks: list[torch.Tensor], group=None, label: str = "ring") -> None:
     """Fill ``chunks`` (n views of one buffer) on every rank, the ring way, in place: this rank
     starts with chunk r complete."""
@@ -188,18 +173,3 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, label
     ring_all_gather_(chunks, group, label)
     return output
 
-
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None,
-                        label: str = "ring") -> torch.Tensor:
-    """``comm.reduce_scatter`` from sends and receives: rank i gets the sum over ranks of chunk i
-    of ``input`` (``input`` is left untouched). Each rank sends (n-1)/n * B, B the bytes of
-    ``input``."""
-    n = comm.group_size(group)
-    chunks = _equal_chunks(input, output, n, "ring_reduce_scatter")
-    work = [c.clone() for c in chunks]
-    # The ring leaves rank r with list entry (r+1) mod n complete; list chunk i-1 at entry i so
-    # that this entry is chunk r itself.
-    shifted = work[-1:] + work[:-1]
-    owned = ring_reduce_scatter_(shifted, group, label)
-    output.view(-1).copy_(shifted[owned])
-    return output

@@ -42,7 +42,7 @@ from minitp import trace as _trace
 from minitp.cost.context import check_cp_attention, check_ulysses_heads
 from minitp.data import Sampler, check_seq_len, load_corpus
 from minitp.grid import check_3d_layout, check_composition, check_zero
-from minitp.layout import cp_chunks
+from minitp.layout import DIMS, cp_chunks
 from minitp.mesh import Mesh
 from minitp.models import ModelConfig, Transformer, build_model, loss_fn
 from minitp.models.moe import MoEConfig, aux_loss, build_moe_model, moe_config, moe_loss
@@ -105,7 +105,7 @@ class Settings:
         """Refuse what cannot run, with one sentence, before any process starts."""
         if self.model not in PRESETS:
             raise ValueError(f"unknown model {self.model!r}; expected one of {', '.join(PRESETS)}")
-        for name in ("dp", "tp", "pp", "cp", "ep", "steps", "batch_size", "seq_len", "microbatches", "eval_batches"):
+        for name in (*DIMS, "steps", "batch_size", "seq_len", "microbatches", "eval_batches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         check_seq_len(self.seq_len, self.config.max_seq_len)

@@ -31,9 +31,11 @@ import torch
 from minitp import cost, mesh
 from minitp.exercises import ExerciseError, passed, problems, refuse_own, run_answer, wrong
 from minitp.grid import coordinates, group_lists
+from minitp.layout import AXES
 from minitp.models import LLAMA3_8B, LLAMA3_70B, TINY
 
 GIB = 2**30
+FASTEST_FIRST = tuple(reversed(AXES))  # ("tp", "pp", "dp"): the mesh's axes, the fastest first
 
 
 # -- exercise 1: a rank's coordinates and groups -----------------------------------------------------------
@@ -41,10 +43,10 @@ def _normalize(answer):
     """((d, p, t), {dim: [ranks]}) from what the learner returned, or None when it has the wrong form."""
     try:
         coords, groups = answer
-        if all(hasattr(coords, a) for a in ("dp", "pp", "tp")):
+        if all(hasattr(coords, a) for a in AXES):
             coords = (coords.dp, coords.pp, coords.tp)
         coords = tuple(int(c) for c in coords)
-        groups = {dim: sorted(int(r) for r in groups[dim]) for dim in ("tp", "pp", "dp")}
+        groups = {dim: sorted(int(r) for r in groups[dim]) for dim in FASTEST_FIRST}
     except (TypeError, ValueError, KeyError):
         return None
     return (coords, groups) if len(coords) == 3 else None
@@ -81,7 +83,7 @@ def _position_worker(fn, dp: int, pp: int, tp: int):
 
     m = mesh.Mesh(dp, pp, tp)
     seen = {}
-    for dim in ("tp", "pp", "dp"):  # who is really in each of this rank's groups: ask them
+    for dim in FASTEST_FIRST:  # who is really in each of this rank's groups: ask them
         group = m.group(dim)
         size = comm.group_size(group)
         out = torch.empty(size, dtype=torch.long)
@@ -98,7 +100,7 @@ def _compare_position(name: str, rank: int, layout: tuple[int, int, int], answer
     if got is None:
         raise ExerciseError(f"{name}: for {where} the function returned {answer!r}; return "
                             "((dp_rank, pp_rank, tp_rank), {'tp': [...], 'pp': [...], 'dp': [...]}).")
-    want = (tuple(want[0]), {d: sorted(want[1][d]) for d in ("tp", "pp", "dp")})
+    want = (tuple(want[0]), {d: sorted(want[1][d]) for d in FASTEST_FIRST})
     if got == want:
         return
     for mistake, hint in ((_dp_fastest, "you let dp vary fastest. minitp places tp fastest, "
@@ -107,14 +109,14 @@ def _compare_position(name: str, rank: int, layout: tuple[int, int, int], answer
                           (_pp_tp_swapped, "pp and tp are swapped: you let pp vary fastest. tp varies fastest, "
                                            "then pp, then dp: rank = (dp_rank·pp + pp_rank)·tp + tp_rank.")):
         other = mistake(rank, dp, pp, tp)
-        if got == (other[0], {d: sorted(other[1][d]) for d in ("tp", "pp", "dp")}):
+        if got == (other[0], {d: sorted(other[1][d]) for d in FASTEST_FIRST}):
             raise wrong(name, f"for {where} you gave coordinates {got[0]} and groups {got[1]}: {hint}",
                         f"coordinates {want[0]} and groups {want[1]}")
     if got[0] != want[0]:
         raise wrong(name, f"for {where} you gave coordinates (dp, pp, tp) = {got[0]}. Hint: tp varies fastest, "
                           "then pp, then dp, as in rank = (dp_rank·pp + pp_rank)·tp + tp_rank; undo that with "
                           "% and //, starting with tp.", f"coordinates {want[0]}")
-    dim = next(d for d in ("tp", "pp", "dp") if got[1][d] != want[1][d])
+    dim = next(d for d in FASTEST_FIRST if got[1][d] != want[1][d])
     raise wrong(name, f"for {where} the coordinates are right but the {dim} group is {got[1][dim]}. Its members "
                       f"share the other two coordinates and run through every {dim}_rank: rank_of(...) for "
                       f"{dim}_rank in range({dim}).", f"the {dim} group {want[1][dim]}")
@@ -158,7 +160,7 @@ def check_step_bytes(fn) -> None:
         if not isinstance(got, dict):
             raise ExerciseError(f"{name}: return a dict {{'tp': ..., 'pp': ..., 'dp': ...}}, got {got!r}.")
         want = cost.threed_step_bytes(cfg, batch, seq, dp, tp, pp, stage)
-        for dim in ("tp", "pp", "dp"):
+        for dim in FASTEST_FIRST:
             value = got.get(dim)
             if value is None or (not value and want[dim]):
                 why = {"tp": "the all-reduces of tensor parallel (two per block each way, plus the embedding, "
@@ -307,7 +309,7 @@ def _groups_worker(fn, layouts):
     for dp, pp, tp in layouts:
         answer = fn(dp, pp, tp)
         got, summed = {}, {}
-        for dim in ("tp", "pp", "dp"):
+        for dim in FASTEST_FIRST:
             try:
                 ranks, group = answer[dim]
                 ranks = [int(r) for r in ranks]
@@ -341,7 +343,7 @@ def check_make_groups(fn, layouts=_GROUP_LAYOUTS, timeout: float = 60.0) -> None
                                     "{'tp': (ranks, group), 'pp': (ranks, group), 'dp': (ranks, group)}.")
             want = {dim: next(g for g in lists[dim] if rank in g) for dim in lists}
             if want != {d: list(want_ranks) for d, want_ranks in r["mesh"].items()}:  # pragma: no cover
-                raise ExerciseError(f"{name}: minitp.mesh and minitp.layout disagree for {where}.")
+                raise ExerciseError(f"{name}: minitp.mesh and minitp.grid disagree for {where}.")
             got = r["answer"]
             coords = coordinates(rank, dp, pp, tp)
             if got != want:
@@ -350,11 +352,11 @@ def check_make_groups(fn, layouts=_GROUP_LAYOUTS, timeout: float = 60.0) -> None
                     raise wrong(name, f"for {where} you gave {got}: you let dp vary fastest. minitp places tp "
                                       "fastest, rank = (dp_rank·pp + pp_rank)·tp + tp_rank, so each tensor-parallel "
                                       "group is made of neighbouring ranks.", str(want))
-                dim = next(d for d in ("tp", "pp", "dp") if sorted(got[d]) != sorted(want[d]))
+                dim = next(d for d in FASTEST_FIRST if sorted(got[d]) != sorted(want[d]))
                 raise wrong(name, f"for {where} (coordinates {(coords.dp, coords.pp, coords.tp)}) the {dim} group "
                                   f"is {got[dim]}: its members share this rank's other two coordinates and run "
                                   f"through every {dim}_rank.", f"the {dim} group {want[dim]}")
-            for dim in ("tp", "pp", "dp"):
+            for dim in FASTEST_FIRST:
                 if r["summed"].get(dim) != sum(want[dim]):
                     raise ExerciseError(f"{name}: for {where} the {dim} group lists the right ranks, but an "
                                         f"all-reduce over the group you returned added {r['summed'].get(dim)}, "

@@ -13,6 +13,8 @@ again (6 per block instead of 4: ``minitp.cost.tp_block_bytes(recompute=True)``)
 
 ``minitp.cost.tiny_block_activation_bytes`` is the formula, tensor by tensor, for a block of
 ``minitp.models``; ``minitp.cost.block_activation_bytes`` is Korthikanti et al.'s for large models.
+The run that counts them on each rank of tensor parallel builds a strategy, so it is a runner's:
+``minitp.runs.measuring.measure_activations``.
 """
 
 from __future__ import annotations
@@ -88,30 +90,3 @@ def run_recomputed(forward, x, *args):
     takes as ``recompute=`` (``model(tokens, recompute=run_recomputed)``)."""
     return _Recompute.apply(x, forward, args)
 
-
-def _measure_worker(model_name: str, batch: int, seq: int, sequence_parallel: bool, recompute: bool,
-                    seed: int) -> dict:
-    import torch.distributed as dist
-
-    from minitp import tp as tensor_parallel
-    from minitp.models import build_model, get_config
-
-    torch.set_num_threads(1)
-    cfg = get_config(model_name)
-    model = build_model(cfg, seed=seed)
-    if dist.get_world_size() > 1 or sequence_parallel:
-        tensor_parallel.parallelize(model, dist.group.WORLD, sequence_parallel)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    per_block = saved_bytes_per_block(model, lambda: model(tokens, recompute=run_recomputed if recompute else None))
-    return {"rank": dist.get_rank(), "per_block": per_block}
-
-
-def measure(tp: int = 2, sequence_parallel: bool = False, recompute: bool = False, model: str = "tiny",
-            batch: int = 2, seq: int = 16, seed: int = 0, timeout: float = 120.0) -> list[list[int]]:
-    """Launch ``tp`` ranks of tensor parallel, run one forward, and return per rank the bytes each
-    block saved for backward (``[[block 0, block 1, ...], ...]``), measured by saved-tensor hooks."""
-    from minitp.launcher import launch
-
-    results = launch(_measure_worker, tp, model, batch, seq, sequence_parallel, recompute, seed,
-                     timeout=timeout, echo=False)
-    return [r["per_block"] for r in results]

@@ -1,6 +1,7 @@
 """Measure this machine for the time model: one rank's matmul rate, fixed costs, and gloo's α and β.
 
-``minitp calibrate`` runs this and stores the figures (``calibration_path()``: $MINITP_CALIBRATION,
+``minitp calibrate`` measures them (``minitp.runs.measuring.calibrate``, which launches the runs
+below and fits them here) and stores them (``calibration_path()``: $MINITP_CALIBRATION,
 else ~/.cache/minitp/calibration.json); every ``minitp run`` then reports its ``predicted_step_s``
 from them (``this_machine()``). The time model itself (``minitp.cost``) reads no file: the figures
 are read and checked here, and handed to it as a ``Device``.
@@ -26,7 +27,8 @@ are read and checked here, and handed to it as a ``Device``.
   message crosses anything, so nothing in it is fitted to the runs it predicts. In the same way, what
   one operation ring attention and a MoE add costs (``cp_op_s``, ``ep_op_s``, ``fit_op_costs``): the
   growth of their forward+backward at one rank over the plain model's, per operation added (their
-  indexing, masking and scattering of small tensors cost about twice ``op_s``).
+  indexing, masking and scattering of small tensors cost about twice ``op_s``). These two runs build
+  strategies, so they are a runner's (``minitp.runs.measuring``); only their fits are here.
 * α and β: all-reduces of a few sizes on 2 ranks over gloo, each issued as training issues them,
   after a burst of compute (a few of the tiny model's matmuls), and fitted to
   T(B) = 2(n-1)·α + 2(n-1)/n · B/β (n = 2: T = 2α + B/β) by least squares on the **mean** time per
@@ -184,8 +186,9 @@ SHARED_MAX_RANKS = 8  # more ranks than this (a machine of more than 4 cores): n
 MICROBATCHES = 8  # the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
 
 
-def _moe_extra_flops_s(flops_per_s: float, batch: int = 8, seq: int = 16) -> float:
-    """Seconds the MoE of ``_op_cost_worker`` spends on FLOPs beyond the plain tiny model's."""
+def moe_extra_flops_s(flops_per_s: float, batch: int = 8, seq: int = 16) -> float:
+    """Seconds the MoE of ``minitp.runs.measuring._op_cost_worker`` spends on FLOPs beyond the plain
+    tiny model's."""
     from minitp.cost import training_flops_per_token
     from minitp.models import TINY
     from minitp.models.moe import moe_config
@@ -204,54 +207,7 @@ def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
     return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s, count_ops(batch // MICROBATCHES, seq))
 
 
-OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``_own_work_worker`` times at one rank
-
-
-def _own_work_worker(repeats: int) -> dict:
-    """On one rank, where a collective is a call that moves nothing: the tiny model's median training
-    step plain and under minitp's DDP (0.25 MiB buckets), FSDP (ZeRO-3) and tensor parallel, each built
-    as ``minitp run`` builds it, taking turns step by step (the first three rounds warm up); how many
-    collectives each step calls (counted in the trace every rank records); and the median of a bare
-    ``dist.all_reduce`` of one element. {"step_s": {name: s}, "calls": {name: n}, "call_s": s}"""
-    import torch.distributed as dist
-
-    from minitp import tp
-    from minitp import trace as _trace
-    from minitp.ddp import DistributedDataParallel
-    from minitp.fsdp import FullyShardedDataParallel
-    from minitp.models import TINY, build_model, loss_fn
-    from minitp.models.train import make_optimizer
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    tokens, targets = (torch.randint(0, TINY.vocab_size, (8, 16), generator=g) for _ in range(2))
-    plain, ddp, fsdp = (build_model(TINY, seed=0) for _ in range(3))
-    sharded = FullyShardedDataParallel(fsdp)
-    split = tp.parallelize(build_model(TINY, seed=0), None)
-    steps = {  # name: (what steps, its optimizer, its loss)
-        "plain": (plain, make_optimizer(plain.parameters(), 1e-3), loss_fn),
-        "ddp": (DistributedDataParallel(ddp, bucket_mb=0.25), make_optimizer(ddp.parameters(), 1e-3), loss_fn),
-        "fsdp": (sharded, sharded.attach(make_optimizer(sharded.parameters(), 1e-3)), loss_fn),
-        "tp": (split, make_optimizer(split.parameters(), 1e-3),
-               lambda logits, y: tp.vocab_parallel_cross_entropy(logits, y, None)),
-    }
-    times, calls, trace = {name: [] for name in steps}, {}, _trace.current()  # a launched rank records
-    for _ in range(repeats + 3):
-        for name, (model, optimizer, loss) in steps.items():
-            first = len(trace.events)
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=False)
-            loss(model(tokens), targets).backward()
-            optimizer.step()
-            times[name].append(time.perf_counter() - t0)
-            calls[name] = sum(e.kind == "comm" for e in trace.events[first:])
-    one, bare = torch.zeros(1), []
-    for _ in range(4 * repeats):
-        t0 = time.perf_counter()
-        dist.all_reduce(one)
-        bare.append(time.perf_counter() - t0)
-    return {"step_s": {name: statistics.median(t[3:]) for name, t in times.items()}, "calls": calls,
-            "call_s": statistics.median(bare)}
+OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``minitp.runs.measuring`` times at one rank
 
 
 def fit_own_work(step_s: dict[str, float], calls: dict[str, int], call_s: float) -> dict[str, float]:
@@ -260,33 +216,6 @@ def fit_own_work(step_s: dict[str, float], calls: dict[str, int], call_s: float)
     time model charges the calls as α): the strategy's own code. 0 where noise makes it negative."""
     return {f"{name}_own_s": max(0.0, step_s[name] - step_s["plain"] - calls[name] * call_s)
             for name in OWN_STRATEGIES}
-
-
-def _op_cost_worker(repeats: int) -> dict:
-    """On one rank: the median forward+backward of the tiny model plain, under ring attention and as
-    a MoE under expert parallel (8 experts, top-2), taking turns (the first three rounds warm up), and
-    the operations each dispatches. {"fb_s": {name: s}, "ops": {name: n}}"""
-    from minitp import cp, ep
-    from minitp.models import TINY, build_model, loss_fn
-    from minitp.models.moe import build_moe_model, moe_config, moe_loss
-
-    torch.set_num_threads(1)
-    tokens = torch.randint(0, TINY.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
-    plain, dense = build_model(TINY, seed=0), build_model(TINY, seed=0)
-    ring, local = cp.parallelize(dense, None, True, "ring"), cp.shard_sequence(tokens, None, True)
-    moe = build_moe_model(moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25), seed=0)
-    experts, moe_loss_fn = ep.ExpertParallel(moe, None), moe_loss(moe)
-    passes = {"plain": lambda: loss_fn(plain(tokens), tokens).backward(),
-              "cp": lambda: loss_fn(ring(local), local).backward(),
-              "ep": lambda: moe_loss_fn(experts(tokens), tokens).backward()}
-    ops = {name: count_dispatched(run) for name, run in passes.items()}
-    times = {name: [] for name in passes}
-    for _ in range(repeats + 3):
-        for name, run in passes.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
-    return {"fb_s": {name: statistics.median(t[3:]) for name, t in times.items()}, "ops": ops}
 
 
 def fit_op_costs(fb_s: dict[str, float], ops: dict[str, int], moe_flops_s: float = 0.0) -> dict[str, float]:
@@ -342,58 +271,6 @@ def fit_alpha_beta(times: dict[int, float], n: int = 2) -> tuple[float, float]:
     if slope <= 0:
         raise ValueError(f"all-reduce times do not grow with size ({times}); calibrate again on a quieter machine")
     return max(intercept, 0.0) / (2 * (n - 1)), 1.0 / slope
-
-
-def _slower_rank(results: list[dict], sizes) -> tuple[dict, dict]:
-    """The slower rank's (mean, fastest) all-reduce times per size: the slower rank finishes the collective."""
-    means = {b: max(r["all_reduce"][b][0] for r in results) for b in sizes}
-    fastest = {b: max(r["all_reduce"][b][1] for r in results) for b in sizes}
-    return means, fastest
-
-
-def calibrate(repeats: int = 40, sizes: tuple[int, ...] = SIZES) -> dict:
-    """Measure this machine (several seconds): the figures ``minitp.cost.device_from_calibration`` takes."""
-    from minitp.launcher import launch
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    flops = matmul_flops_per_s(*TINY_SHAPE)
-    large = matmul_flops_per_s(512, 512, 512, repeats=5)
-    fixed = fixed_costs(flops)
-    own = launch(_own_work_worker, 1, repeats, echo=False, timeout=120)[0]
-    op_costs = launch(_op_cost_worker, 1, repeats, echo=False, timeout=120)[0]
-    results = launch(_all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
-    means, fastest = _slower_rank(results, sizes)
-    alpha, beta = fit_alpha_beta(means, 2)
-    try:
-        alpha_min, beta_min = fit_alpha_beta(fastest, 2)
-    except ValueError:  # only for comparison: a noisy fastest fit does not spoil the calibration
-        alpha_min, beta_min = None, None
-    shared = {"alpha_shared_s": None, "bytes_per_s_shared": None, "shared_slowdown": None, "busy_slowdown": None}
-    if cores and 2 <= cores <= SHARED_MAX_RANKS:  # what every core busy does to a step
-        alone = launch(_busy_step_worker, 1, repeats, echo=False, timeout=120)[0]
-        shared["busy_slowdown"] = busy_slowdown(alone, list(launch(_busy_step_worker, cores, repeats, echo=False,
-                                                                   timeout=120)))
-    if cores and 2 <= cores and 2 * cores <= SHARED_MAX_RANKS:  # what waiting for a core does to messages, compute
-        crowded = launch(_all_reduce_worker, 2 * cores, tuple(sizes), repeats // 2, echo=False, timeout=120)
-        shared_means = _slower_rank(crowded, sizes)[0]
-        shared["shared_slowdown"] = (statistics.fmean(r["compute_s"] for r in crowded)
-                                     / statistics.fmean(r["compute_s"] for r in results))
-        try:
-            shared["alpha_shared_s"], shared["bytes_per_s_shared"] = fit_alpha_beta(shared_means, 2 * cores)
-        except ValueError:  # a fit that failed leaves messages as at a core per rank
-            pass
-        shared["all_reduce_shared_s"] = {str(b): t for b, t in shared_means.items()}
-    return {
-        "name": "gloo, 1 thread per rank", "flops_per_s": flops, "flops_per_s_large": large,
-        "matmul_shape": list(TINY_SHAPE), **fixed, **fit_own_work(own["step_s"], own["calls"], own["call_s"]),
-        "own_calls": own["calls"], "call_s": own["call_s"],
-        **fit_op_costs(op_costs["fb_s"], op_costs["ops"], _moe_extra_flops_s(flops)),
-        "alpha_s": alpha, "bytes_per_s": beta,
-        "alpha_min_s": alpha_min, "bytes_per_s_min": beta_min,
-        "all_reduce_s": {str(b): t for b, t in means.items()},
-        "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()}, **shared, "cores": cores,
-        "torch": torch.__version__,
-    }
 
 
 def check_store(path: str | None = None) -> str:

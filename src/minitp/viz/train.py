@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from minitp.layout import DIMS
 from minitp.viz.style import RANK_COLORS, figure
 
 
@@ -25,7 +26,7 @@ def loss_figure(records: list[dict], title: str | None = None, width: float = 8.
     for r in starts[1:] if starts and starts[0]["step"] == 0 else starts:
         ax.axvline(r["step"], color="#555555", linestyle="--", linewidth=1)
         layout = r["settings"]
-        where = "·".join(f"{d}{layout[d]}" for d in ("dp", "tp", "pp", "cp", "ep") if layout[d] > 1) or "1 process"
+        where = "·".join(f"{d}{layout[d]}" for d in DIMS if layout[d] > 1) or "1 process"
         ax.annotate(f"resumed at {r['step']}, {where}", (r["step"], 0.03), xycoords=("data", "axes fraction"),
                     xytext=(-4, 0), textcoords="offset points", fontsize=10, color="#333333", rotation=90,
                     ha="right", va="bottom")
