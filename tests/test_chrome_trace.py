@@ -9,7 +9,7 @@ import torch
 from minitp import cli, launch, trainer
 from minitp import trace as _trace
 from minitp.data import COURSE_CORPUS
-from minitp.runs import data_parallel
+from minitp.runs import data_parallel, training
 from minitp.viz.chrome_trace import chrome_trace, report_coords
 
 
@@ -144,7 +144,7 @@ TRAINED = trainer.Settings(dp=2, pp=2, microbatches=4, steps=2, batch_size=8, se
 def trained():
     """The last step of a dp2·pp2 training run (4 micro-batches), validated after every step: what
     ``minitp train --trace-out`` writes."""
-    results = trainer.train(TRAINED, echo=False)
+    results = training.train(TRAINED, echo=False)
     coords = [dict(zip(("dp", "pp", "tp"), r["coords"])) for r in results]
     return results, chrome_trace(results.traces, coords=coords)
 

@@ -207,10 +207,11 @@ def test_train_with_each_cp_attention_equals_one_process(attention):
     from dataclasses import replace
 
     from minitp import trainer
+    from minitp.runs import training
 
     base = trainer.Settings(steps=2, batch_size=4, seq_len=32, corpus=COURSE_CORPUS, eval_every=0, warmup=1, clip=0.5)
     ref_losses, ref_norms, _ = trainer.reference(base)
-    results = trainer.train(replace(base, cp=2, tp=2, cp_attention=attention), echo=False)
+    results = training.train(replace(base, cp=2, tp=2, cp_attention=attention), echo=False)
     losses = next(r["losses"] for r in results if r["losses"])
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     assert results[0]["norms"] == pytest.approx(ref_norms, rel=1e-5)

@@ -1,8 +1,9 @@
 """The house rules of minitp's source as ``../shared/DESIGN.md`` writes them, read with ``ast``: no import
 cycle; a strategy imports only the road (comm, regions, trace, layout, mesh) and models, and the helpers
 named below as its own; models, measure and viz import no strategy, not even through another module; the
-five dimensions are named once (no literal list of them outside ``layout``); every process group of the
-trainer is made by the mesh; nothing is patched onto another object. Each rule is checked on the real
+five dimensions are named once (no literal list of them outside ``layout``); the trainer imports none of
+the parent's work (launcher, runners, figures, command line); every process group of the trainer is made
+by the mesh; nothing is patched onto another object. Each rule is checked on the real
 tree, and a planted violation of each is caught by the same function."""
 
 import ast
@@ -209,6 +210,30 @@ def test_a_planted_list_of_dimensions_is_found():
     assert dimension_lists(trees) == [("minitp.viz.fake", "('dp', 'tp', 'pp')"),
                                       ("minitp.viz.fake", "['tp', 'cp', 'ep', 'steps']")]
     assert dims_assigned(trees) == ["minitp.layout", "minitp.viz.fake"]
+
+
+# -- the trainer is what a step is: the parent's work lives in the wings ------------------------------------
+PARENT_WINGS = ("launcher", "runs", "viz", "cli")  # launches, restarts, signals, figures, the command line
+
+
+def parents_work_in_the_trainer(graph: dict[str, set[str]]) -> list[str]:
+    """What importing ``minitp.trainer`` (the step and each rank's loop) runs from the parent's wings,
+    directly or through another module: the restarts, signals, figure, auto-layout and sampling live in
+    runs/, viz/ and cli, which may import the trainer, never the other way."""
+    return sorted(name for name in reached(graph, "minitp.trainer") if wing(name) in PARENT_WINGS)
+
+
+def test_the_trainer_imports_none_of_the_parents_work():
+    assert parents_work_in_the_trainer(graph_of(modules())) == []
+
+
+def test_a_planted_runner_in_the_trainer_is_found():
+    graph = graph_of(planted(
+        trainer="from minitp.runs.common import check_memory",  # the parent's memory check, back home
+        checkpoint="from minitp.viz.train import loss_figure",  # a figure, through another module
+    ))
+    found = parents_work_in_the_trainer(graph)
+    assert "minitp.runs.common" in found and "minitp.viz.train" in found
 
 
 # -- every process group of the trainer is made by the mesh -------------------------------------------------

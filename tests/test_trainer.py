@@ -19,6 +19,7 @@ import torch
 from minitp import cli, trainer
 from minitp.data import COURSE_CORPUS
 from minitp.parallel3d import unshard_3d
+from minitp.runs import sampling, training
 
 BASE = trainer.Settings(steps=3, batch_size=8, seq_len=32, corpus=COURSE_CORPUS, eval_every=0, warmup=1, clip=0.5)
 SMALL_RUN = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--max-files", "30", "--eval-every", "3",
@@ -51,7 +52,7 @@ LAYOUTS = [dict(dp=2), dict(dp=2, data_parallel="fsdp"), dict(tp=2), dict(pp=2, 
 def test_each_layout_equals_one_process_with_clipping(layout, reference):
     ref_losses, ref_norms, ref_params = reference
     assert min(ref_norms) > BASE.clip  # clipping acts at every step: the check covers it
-    results = trainer.train(replace(BASE, **layout), echo=False, keep_shards=True)
+    results = training.train(replace(BASE, **layout), echo=False, keep_shards=True)
     losses = next(r["losses"] for r in results if r["losses"])
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     for r in results:  # every rank agrees on the global norm
@@ -65,7 +66,7 @@ def test_each_layout_equals_one_process_with_clipping(layout, reference):
 def test_expert_parallel_equals_one_process():
     s = replace(BASE, model="byte-moe")
     ref_losses, ref_norms, _ = trainer.reference(s)
-    results = trainer.train(replace(s, dp=2, ep=2), echo=False)
+    results = training.train(replace(s, dp=2, ep=2), echo=False)
     assert results[0]["losses"] == pytest.approx(ref_losses, abs=1e-5)
     assert results[0]["norms"] == pytest.approx(ref_norms, rel=1e-5)
 
@@ -213,8 +214,8 @@ def test_sample_prints_the_prompt_and_what_the_model_writes(tmp_path, capsys):
                      "--tokens", "40", "--seed", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text.rstrip("\n")) > 10
-    model = trainer.load_for_sampling(os.path.join(out, "checkpoint"))
-    assert trainer.sample(model, "import ", 30, seed=1) == trainer.sample(model, "import ", 30, seed=1)
+    model = sampling.load_for_sampling(os.path.join(out, "checkpoint"))
+    assert sampling.sample(model, "import ", 30, seed=1) == sampling.sample(model, "import ", 30, seed=1)
 
 
 def test_trace_out_holds_the_last_steps_messages(tmp_path):
@@ -275,13 +276,13 @@ def test_layout_auto_picks_the_fastest_predicted_layout_and_needs_a_calibration(
     # a machine whose messages are free: the time model then splits the work evenly, and dp wastes nothing
     (tmp_path / "cal.json").write_text(json.dumps({"flops_per_s": 1e10, "bytes_per_s": 1e15, "alpha_s": 0.0}))
     monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "cal.json"))
-    s, rows = trainer.auto_layout(BASE, 4)
+    s, rows = training.auto_layout(BASE, 4)
     assert (s.dp, s.tp, s.pp) == (4, 1, 1) and rows[0]["step_s"] == min(r["step_s"] for r in rows)
     assert {(r["dp"], r["pp"], r["tp"]) for r in rows} == {(4, 1, 1), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4),
                                                             (1, 2, 2)}
     # slow links and a fast core: the messages decide, and the pick is still the fastest predicted
     (tmp_path / "cal.json").write_text(json.dumps({"flops_per_s": 1e13, "bytes_per_s": 1e6, "alpha_s": 1e-2}))
-    s, slow = trainer.auto_layout(BASE, 4)
+    s, slow = training.auto_layout(BASE, 4)
     assert [r["step_s"] for r in slow] == sorted(r["step_s"] for r in slow)
     assert (s.dp, s.pp, s.tp) == (slow[0]["dp"], slow[0]["pp"], slow[0]["tp"]) != (4, 1, 1)
     assert cli.main(["train", "--layout", "auto", "--dp", "2"]) == 2

@@ -16,6 +16,7 @@ import pytest
 
 from minitp import cli, trainer
 from minitp.data import COURSE_CORPUS
+from minitp.runs import training
 
 RUN = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--corpus", COURSE_CORPUS, "--eval-every", "0",
        "--save-every", "2", "--warmup", "1"]
@@ -32,7 +33,7 @@ def no_ranks(monkeypatch):
 def _files(folder) -> dict[str, bytes]:
     """Every file under ``folder`` and its bytes (the lock file aside: a refused run may open it)."""
     return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
-            for root, _, names in os.walk(folder) for name in names if name != trainer.LOCK}
+            for root, _, names in os.walk(folder) for name in names if name != training.LOCK}
 
 
 def _log(out) -> list[dict]:
@@ -56,7 +57,7 @@ def test_a_finished_run_is_not_replaced_without_resume_or_overwrite(tmp_path, ca
 def test_a_second_run_into_a_held_out_is_refused(tmp_path, capsys, no_ranks):
     out = tmp_path / "held"
     out.mkdir()
-    with open(out / trainer.LOCK, "a+") as held:
+    with open(out / training.LOCK, "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run in progress holds it
         held.write("pid 12345\n")
         held.flush()
@@ -154,7 +155,7 @@ def test_a_refusal_in_a_rank_is_not_restarted():
 
     refused = RankError("rank 0 raised", 0, "Traceback...\nminitp.checkpoint.CheckpointError: x.pt is torn")
     lost = RankError("rank 1 was killed by SIGKILL", 1, "")
-    assert trainer._refused(refused) and not trainer._refused(lost)
+    assert training._refused(refused) and not training._refused(lost)
 
 
 @pytest.mark.parametrize("argv, said", [

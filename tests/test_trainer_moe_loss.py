@@ -16,6 +16,7 @@ from minitp.data import COURSE_CORPUS, Sampler, load_corpus
 from minitp.launcher import LaunchError
 from minitp.models import loss_fn
 from minitp.models.moe import aux_loss
+from minitp.runs import training
 
 MOE = trainer.Settings(model="byte-moe", steps=3, batch_size=8, seq_len=32, corpus=COURSE_CORPUS, eval_every=0,
                        eval_batches=2, warmup=1, clip=0.5)
@@ -41,7 +42,7 @@ def one_process():
 def test_moe_loss_equals_one_process_on_every_layout(layout, one_process, tmp_path):
     ref_losses, ref_norms, ref_val, ref_aux = one_process
     out = str(tmp_path / "run")
-    results = trainer.train(replace(MOE, out=out, **layout), echo=False)
+    results = training.train(replace(MOE, out=out, **layout), echo=False)
     for r in results:  # every rank logs the same: cross-entropy + coef · aux, as one process
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
@@ -58,8 +59,8 @@ def test_a_moe_run_resumed_from_one_stage_onto_a_pipeline_continues_its_curve(tm
     s = replace(MOE, steps=5, save_every=2, eval_every=2, out=str(tmp_path / "moved"))
     ref_losses, _, _ = trainer.reference(s)
     with pytest.raises(LaunchError, match="SIGKILL"):  # the one rank dies at step 3: the checkpoint of step 2 is left
-        trainer.train(replace(s, kill_at=3), echo=False)
-    trainer.train(replace(s, pp=2, microbatches=2, resume=True), echo=False)
+        training.train(replace(s, kill_at=3), echo=False)
+    training.train(replace(s, pp=2, microbatches=2, resume=True), echo=False)
     log = trainer.read_log(os.path.join(s.out, "log.jsonl"))
     assert [(r["step"], r["world"]) for r in log if r.get("event") == "start"] == [(0, 1), (2, 2)]
     steps = [r for r in log if "loss" in r]

@@ -214,6 +214,7 @@ CALIBRATE_OPTIONS = (
 
 def _train(args: argparse.Namespace) -> int:
     from minitp import trainer
+    from minitp.runs import training
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
@@ -234,12 +235,12 @@ def _train(args: argparse.Namespace) -> int:
         resume=args.resume, overwrite=args.overwrite, seed=args.seed,
         corpus=args.corpus, max_files=args.max_files, kill_at=args.kill_at)
     if args.layout == "auto":
-        s, rows = trainer.auto_layout(s, args.nproc or 2)
+        s, rows = training.auto_layout(s, args.nproc or 2)
         print("minitp train --layout auto: the time model's step on this machine (minitp calibrate), fastest first")
         for r in rows:
             print(f"  dp {r['dp']} pp {r['pp']} tp {r['tp']}" + (f" (m={r['microbatches']})" if r["pp"] > 1 else "")
                   + f": {r['step_s'] * 1e3:.0f} ms")
-    results = trainer.train(s, max_restarts=args.max_restarts, backend=args.backend)
+    results = training.train(s, max_restarts=args.max_restarts, backend=args.backend)
     from minitp.launcher import under_torchrun
 
     if under_torchrun() and int(os.environ["RANK"]) != 0:
@@ -306,12 +307,12 @@ def _train_options():
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from minitp import trainer
+    from minitp.runs import sampling
 
     if args.checkpoint is None:
         raise ValueError("--checkpoint DIR is required: the checkpoint folder of a minitp train run (OUT/checkpoint)")
-    model = trainer.load_for_sampling(args.checkpoint)
-    print(trainer.sample(model, args.prompt, args.tokens, args.temperature, args.seed))
+    model = sampling.load_for_sampling(args.checkpoint)
+    print(sampling.sample(model, args.prompt, args.tokens, args.temperature, args.seed))
     return 0
 
 

@@ -1,38 +1,42 @@
-"""``minitp train``: a real model trained on real text, on any layout, and a run that survives a lost rank.
+"""What a training step is, on any layout: the step ``minitp train`` runs on each rank.
 
-The pieces are the course's: the corpus and its sampler (``minitp.data``: bytes of the Python standard
-library's own source, no download), the model (``minitp.models``), the layout (``Parallel3D`` on a
-``Mesh``), the checkpoint (``minitp.checkpoint``: sharded, loads into any other layout). What this
-module adds is what a real run needs around a step:
+The pieces are the course's: the corpus and its sampler (``minitp.data``: bytes of the Python
+standard library's own source, no download), the model (``minitp.models``), the layout
+(``Parallel3D`` on a ``Mesh``), the checkpoint (``minitp.checkpoint``: sharded, loads into any
+other layout). What this module adds is what a real run needs around a step, read top to bottom:
 
-- **the learning rate**: linear warm-up, then a cosine down to ``min_lr_ratio`` of the peak (``lr_at``);
-- **gradient clipping by the global norm** across every shard (``clip_grad_norm_``): each element of
-  the model counted once, wherever it lives, then one all-reduce over the whole world;
-- **validation** every ``eval_every`` steps on files the training never sees;
-- **an atomic checkpoint** every ``save_every`` steps, at the end, and on Ctrl-C (the ranks agree to
-  stop at the end of a step, save, and leave);
-- **resume** (``resume=True``): from the checkpoint in ``out`` when there is one, onto any layout; the
-  sampler is a pure function of the step, so the resumed run sees the batches the uninterrupted one would;
-- **restarts**: ``max_restarts`` relaunches a run whose rank died, from its last checkpoint (the same
-  as ``torchrun --max-restarts N ... -m minitp.cli train --resume``, which restarts the processes itself);
-- **a record**: ``out/log.jsonl`` (one JSON object per step, per validation and per start), ``out/loss.png``
-  drawn from it, and a progress bar (tqdm) with loss, tokens/s and MFU of this machine.
+- **the settings** of a run (``Settings``), refused before any process starts when they cannot run;
+- **the learning rate**: linear warm-up, then a cosine down to ``min_lr_ratio`` of the peak
+  (``lr_at``);
+- **gradient clipping by the global norm** across every shard (``clip_grad_norm_``): each element
+  of the model counted once, wherever it lives (``counts_in_norm``), then one all-reduce over the
+  whole world;
+- **the step** (``train_step``) and **validation** (``evaluate``) on files the training never sees;
+- **the run on each rank** (``train_worker``): an atomic checkpoint every ``save_every`` steps, at
+  the end and on Ctrl-C (the ranks agree to stop at the end of a step, save, and leave); resume
+  from the checkpoint in ``out`` onto any layout (the sampler is a pure function of the step, so
+  the resumed run sees the batches the uninterrupted one would); ``out/log.jsonl``, one JSON
+  object per step, per validation and per start (``read_log`` reads it back); a progress bar with
+  loss, tokens/s and MFU of this machine;
+- **the same run on one process** (``reference``): what every layout is checked against.
 
-Every rank computes the whole global batch's sampling (cheap) and ``Parallel3D`` keeps its share, so
-the run equals one process on the same batches (``reference``), clipping and schedule included.
+The parent's work lives in the runners' wing: ``minitp.runs.training.train`` checks, holds ``out``,
+launches the ranks, passes signals on, restarts a run whose rank died and draws ``out/loss.png``
+(``minitp.viz.train``); ``minitp.runs.sampling`` writes text with a trained checkpoint.
+
+Every rank computes the whole global batch's sampling (cheap) and ``Parallel3D`` keeps its share,
+so the run equals one process on the same batches (``reference``), clipping and schedule included.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,18 +52,18 @@ from minitp.models import ModelConfig, Transformer, build_model, loss_fn
 from minitp.models.moe import MoEConfig, aux_loss, build_moe_model, moe_config, moe_loss
 from minitp.models.train import make_optimizer
 from minitp.parallel3d import Parallel3D
-from minitp.runs.common import check_memory
 
 # byte-level models sized for a laptop run (vocabulary: the 256 byte values)
-BYTE = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=384, max_seq_len=256)
+BYTE = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=384,
+                   max_seq_len=256)
 PRESETS = {
     "byte": BYTE,  # 0.85 M parameters
     "byte-4m": BYTE.with_(dim=256, n_layers=6, ffn_hidden=704),  # 4.6 M
-    "byte-moe": moe_config(BYTE, n_experts=4, top_k=2, expert_hidden=192, capacity_factor=None),  # for --ep
+    # for --ep
+    "byte-moe": moe_config(BYTE, n_experts=4, top_k=2, expert_hidden=192, capacity_factor=None),
 }
-KILL_MARK = "killed-once"  # in ``out``: the planted failure happened (``kill_at``), not again after a restart
-OUT_FILES = ("log.jsonl", "loss.png", "checkpoint")  # what a run writes in ``out``: a run is there
-LOCK = ".minitp-lock"  # in ``out``: held by the run that writes there
+# in ``out``: the planted failure happened (``kill_at``), and not again after a restart
+KILL_MARK = "killed-once"
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,9 @@ class Settings:
     save_every: int = 100  # and at the end; 0: only at the end
     out: str | None = None  # log.jsonl, loss.png and checkpoint/; None: nothing written
     resume: bool = False  # from out/checkpoint when it holds one
-    overwrite: bool = False  # start again in an ``out`` that holds a run (its log, figure and checkpoint go)
+    overwrite: bool = False  # start again in an ``out`` that holds a run (its files go)
     seed: int = 0
-    corpus: str | None = None  # a folder of .py files or a .tar.gz of them (data.COURSE_CORPUS); None: the stdlib
+    corpus: str | None = None  # .py files: a folder or a .tar.gz (data.COURSE_CORPUS); None: stdlib
     max_files: int | None = None  # the first N files of the corpus only (tests)
     kill_at: int | None = None  # tests and chapter 09: the last rank dies at this step, once
 
@@ -100,6 +104,10 @@ class Settings:
     @property
     def config(self) -> ModelConfig:
         return PRESETS[self.model]
+
+    @property
+    def virtual_stages(self) -> int:
+        return 2 if self.schedule == "interleaved" else 1
 
     def check(self) -> None:
         """Refuse what cannot run, with one sentence, before any process starts."""
@@ -117,67 +125,81 @@ class Settings:
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup} must be from 0 to steps-1 = {self.steps - 1}")
         if self.clip < 0 or not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"expected clip >= 0, lr > 0 and 0 <= min_lr_ratio <= 1; got clip={self.clip}, "
-                             f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
-        if self.corpus is not None and not (os.path.isdir(self.corpus) or self.corpus.endswith((".tar.gz", ".tgz"))
-                                            and os.path.isfile(self.corpus)):
-            raise ValueError(f"corpus {self.corpus!r}: expected a folder of .py files or a .tar.gz of them")
+            raise ValueError(f"expected clip >= 0, lr > 0 and 0 <= min_lr_ratio <= 1; got "
+                             f"clip={self.clip}, lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
+        if self.corpus is not None and not (
+                os.path.isdir(self.corpus)
+                or self.corpus.endswith((".tar.gz", ".tgz")) and os.path.isfile(self.corpus)):
+            raise ValueError(f"corpus {self.corpus!r}: expected a folder of .py files or a .tar.gz "
+                             "of them")
         if (self.resume or self.kill_at is not None or self.overwrite) and not self.out:
-            raise ValueError("--resume, --overwrite and --kill-at need --out DIR (where the checkpoint is)")
+            raise ValueError("--resume, --overwrite and --kill-at need --out DIR (where the "
+                             "checkpoint is)")
         if self.resume and self.overwrite:
-            raise ValueError("--resume continues the run in --out, --overwrite starts it again: give one")
+            raise ValueError("--resume continues the run in --out, --overwrite starts it again: "
+                             "give one")
         if self.zero is not None and self.data_parallel != "fsdp":
-            raise ValueError(f"--zero {self.zero} sets FSDP's stage: add --fsdp (without it the replicas are DDP's, "
-                             "which keep everything whole)")
+            raise ValueError(f"--zero {self.zero} sets FSDP's stage: add --fsdp (without it the "
+                             "replicas are DDP's, which keep everything whole)")
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be from 0 to 2**63 - 1 (a torch generator's seed), got {self.seed}")
-        if not self.lr <= 10:  # AdamW's step is about lr per element: past 10 every weight is noise at once
-            raise ValueError(f"lr={self.lr:g} is far above any learning rate that trains (AdamW moves each weight by "
-                             f"about lr a step); expected at most 10")
-        check_composition(self.dp, self.pp, self.tp, self.cp, self.ep, self.data_parallel, self.schedule,
-                          self.virtual_stages)
+            raise ValueError(f"seed must be from 0 to 2**63 - 1 (a torch generator's seed), "
+                             f"got {self.seed}")
+        if not self.lr <= 10:  # AdamW's step is about lr per element: past 10 every weight is noise
+            raise ValueError(f"lr={self.lr:g} is far above any learning rate that trains (AdamW "
+                             f"moves each weight by about lr a step); expected at most 10")
+        check_composition(self.dp, self.pp, self.tp, self.cp, self.ep, self.data_parallel,
+                          self.schedule, self.virtual_stages)
         check_3d_layout(self.config, self.dp * self.cp, self.pp, self.tp)
         check_zero(self.data_parallel, self.zero, self.pp)
         check_cp_attention(self.cp_attention)
         if self.cp > 1:
             cp_chunks(self.seq_len, self.cp, 0)  # each rank's positions: 2·cp equal chunks
         if isinstance(self.config, MoEConfig) and (self.tp > 1 or self.cp > 1):
-            raise ValueError(f"--model {self.model} trains with tp = 1 and cp = 1 (got tp={self.tp}, cp={self.cp}): "
-                             "minitp splits no expert over tp, and its load-balancing loss would be each cp "
-                             "rank's own positions', not the sequence's; use --dp, --ep and --pp")
+            raise ValueError(f"--model {self.model} trains with tp = 1 and cp = 1 (got "
+                             f"tp={self.tp}, cp={self.cp}): minitp splits no expert over tp, and "
+                             "its load-balancing loss would be each cp rank's own positions', not "
+                             "the sequence's; use --dp, --ep and --pp")
         if self.ep > 1 and self.config.n_experts % self.ep:
-            raise ValueError(f"n_experts={self.config.n_experts} of --model {self.model} is not divisible by "
-                             f"ep={self.ep}: every rank holds E/ep experts")
+            raise ValueError(f"n_experts={self.config.n_experts} of --model {self.model} is not "
+                             f"divisible by ep={self.ep}: every rank holds E/ep experts")
         if self.cp > 1 and self.cp_attention == "ulysses":
             check_ulysses_heads(self.config, self.cp, self.tp)
 
-    @property
-    def virtual_stages(self) -> int:
-        return 2 if self.schedule == "interleaved" else 1
-
 
 def lr_at(step: int, s: Settings) -> float:
-    """Linear warm-up over ``warmup`` steps, then a cosine from ``lr`` down to ``min_lr_ratio``·lr at the end."""
+    """Linear warm-up over ``warmup`` steps, then a cosine from ``lr`` down to ``min_lr_ratio``·lr
+    at the last step."""
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     progress = (step - s.warmup) / max(1, s.steps - 1 - s.warmup)
-    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    cosine = 1 + math.cos(math.pi * min(1.0, progress))  # 2 → 0
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * cosine)
 
 
-# -- the global gradient norm ----------------------------------------------------------------------------
-def owned_gradients(par: Parallel3D) -> list[torch.Tensor]:
-    """The gradient elements this rank counts in the global norm, so that over the world each element
-    of the model is counted once: pipeline stages and tp slices hold different elements (all count),
-    a replicated (norm) weight is the same on every tp rank (the first counts), DDP replicas hold the
-    same gradients after the average (the first replica counts; under context parallel the dp axis's
-    dp·cp ranks), FSDP shards are disjoint (all count), and under expert parallel the first ep ranks
-    of the dp axis hold every expert between them (as a checkpoint writes them)."""
+# -- the global gradient norm ----------------------------------------------------------------------
+def counts_in_norm(par: Parallel3D, name: str) -> bool:
+    """Whether this rank's gradient of parameter ``name`` counts in the global norm, so that over
+    the world each element of the model is counted once (Megatron's
+    ``param_is_not_tensor_parallel_duplicate``, with the replicas added): pipeline stages and tp
+    slices hold different elements (all count), a replicated (norm) weight is the same on every tp
+    rank (the first counts), FSDP shards are disjoint (all count), DDP replicas hold the same
+    gradients after the average (the first replica counts; under context parallel the dp axis's
+    dp·cp ranks), and under expert parallel the first ep ranks of the dp axis hold every expert
+    between them (as a checkpoint writes them)."""
     coords = par.mesh.coords
-    split = lambda name: par.split_dims[name] is not None or coords.tp == 0
+    if par.split_dims[name] is None and coords.tp != 0:
+        return False  # replicated over tp: tp rank 0 counts it
     if par.fsdp is not None:
-        return [g for name, g in par.fsdp.gradient_pieces() if split(name)]
-    owner = lambda name: coords.dp == 0 or (coords.dp < par.mesh.ep and ".experts." in name)
-    return [p.grad for name, p in par.module.named_parameters() if p.grad is not None and split(name) and owner(name)]
+        return True  # a shard of its own
+    return coords.dp == 0 or (coords.dp < par.mesh.ep and ".experts." in name)
+
+
+def owned_gradients(par: Parallel3D) -> list[torch.Tensor]:
+    """The gradient elements this rank counts in the global norm (``counts_in_norm``)."""
+    if par.fsdp is not None:
+        return [g for name, g in par.fsdp.gradient_pieces() if counts_in_norm(par, name)]
+    return [p.grad for name, p in par.module.named_parameters()
+            if p.grad is not None and counts_in_norm(par, name)]
 
 
 def all_gradients(par: Parallel3D) -> list[torch.Tensor]:
@@ -189,13 +211,14 @@ def all_gradients(par: Parallel3D) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def clip_grad_norm_(par: Parallel3D, max_norm: float) -> float:
-    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), ``norm`` the whole model's gradient norm
-    (the 2-norm of every element, once): as ``torch.nn.utils.clip_grad_norm_`` on one process. One
-    all-reduce of a number over the world. Returns the norm before clipping."""
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), ``norm`` the whole model's gradient
+    norm (the 2-norm of every element, once): as ``torch.nn.utils.clip_grad_norm_`` on one process.
+    One all-reduce of a number over the world. Returns the norm before clipping."""
     squares = torch.zeros((), dtype=torch.float32, device=par.device)
     for g in owned_gradients(par):
         squares += g.float().pow(2).sum()
-    comm.all_reduce(squares, label="clip/norm")  # stages, slices, shards: disjoint pieces of one sum
+    # stages, slices, shards: disjoint pieces of one sum
+    comm.all_reduce(squares, label="clip/norm")
     norm = squares.sqrt().item()
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
@@ -204,19 +227,137 @@ def clip_grad_norm_(par: Parallel3D, max_norm: float) -> float:
     return norm
 
 
-# -- the run on each rank -------------------------------------------------------------------------------
-def build(cfg: ModelConfig, seed: int) -> Transformer:
-    return build_moe_model(cfg, seed=seed) if isinstance(cfg, MoEConfig) else build_model(cfg, seed=seed)
+# -- the step --------------------------------------------------------------------------------------
+def train_step(par: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
+               clip: float) -> tuple[float | None, float, float]:
+    """One optimizer step on the global batch: forward and backward (gradients averaged over the
+    replicas), clip by the global norm, step at ``lr``. Returns (this replica's loss or None off the
+    last stage, what this rank's stage adds to that loss, the norm before clipping). The loss is one
+    process's: a MoE's is the cross-entropy plus coef · aux, which one stage computes whole, but
+    under a pipeline each stage holds its own layers' part of aux (``Parallel3D.aux_per_step``): the
+    second value, added up over the stages by ``_world_mean`` (0 without a MoE under a pipeline)."""
+    par.optimizer.zero_grad(set_to_none=True)
+    loss = par.forward_backward(tokens, targets)
+    norm = clip_grad_norm_(par, clip)
+    for group in par.optimizer.param_groups:
+        group["lr"] = lr
+    with _trace.span("optimizer"):
+        par.optimizer.step()
+    return loss, par.aux_loss_coef * par.aux_per_step, norm
 
 
-def _world_mean(loss: float | None, device, stop: bool = False, aux: float = 0.0) -> tuple[float, bool]:
-    """The mean over the replicas of a loss only the last stage knows, and whether any rank asked to stop.
-    ``aux``: what this rank's pipeline stage adds to its replica's loss (``train_step``). Each replica's
-    last stage holds one loss and each of its stages adds its part, so the sum of every rank's ``aux``
-    over the number of losses is the mean over the replicas of their sums over the stages."""
+def evaluate(par: Parallel3D, sampler: Sampler, batches: int) -> float:
+    """The mean cross-entropy over ``batches`` validation batches, in nats per byte: how well the
+    model predicts files it never trained on. A MoE's auxiliary (load-balancing) loss, which the
+    training loss holds, is left out on every layout: it is a term of the objective, not of the
+    prediction, and without it a MoE's validation compares with a dense model's. Each batch runs
+    the step's own forward and backward (the layout's only path through a pipeline); the gradients
+    are thrown away."""
+    total = 0.0
+    for i in range(batches):
+        loss = par.forward_backward(*sampler.batch(i))
+        par.optimizer.zero_grad(set_to_none=True)
+        if loss is not None and par.pipeline is None:  # one stage: its loss also holds coef · aux
+            loss -= par.aux_loss_coef * float(aux_loss(par.module))  # its layers' (0 without a MoE)
+        total += _world_mean(loss, par.device)[0]  # a pipeline's loss: the cross-entropy only
+    return total / batches
+
+
+def _world_mean(loss: float | None, device, stop: bool = False,
+                aux: float = 0.0) -> tuple[float, bool]:
+    """The mean over the replicas of a loss only the last stage knows, and whether any rank asked to
+    stop. ``aux``: what this rank's pipeline stage adds to its replica's loss (``train_step``). Each
+    replica's last stage holds one loss and each of its stages adds its part, so the sum of every
+    rank's ``aux`` over the number of losses is the mean over the replicas of their sums over the
+    stages."""
     t = torch.tensor([loss or 0.0, loss is not None, stop, aux], dtype=torch.float64, device=device)
     dist.all_reduce(t)  # bookkeeping, not a message of the strategy: left out of the trace
     return ((t[0] + t[3]) / t[1]).item(), bool(t[2] > 0)
+
+
+# -- the run on each rank --------------------------------------------------------------------------
+def build(cfg: ModelConfig, seed: int) -> Transformer:
+    """The plain model of ``cfg`` (dense or a MoE), the same on every rank for one ``seed``."""
+    if isinstance(cfg, MoEConfig):
+        return build_moe_model(cfg, seed=seed)
+    return build_model(cfg, seed=seed)
+
+
+def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int | None = None,
+                 keep_shards: bool = False) -> dict:
+    """One rank of a run: returns its losses and norms per step (and, ``keep_shards``, its
+    pieces)."""
+    cfg = s.config
+    mesh = Mesh(s.dp * s.cp, s.pp, s.tp, cp=s.cp, ep=s.ep)
+    par = Parallel3D(build(cfg, s.seed), mesh, s.data_parallel, s.zero, s.microbatches, s.schedule,
+                     lr=s.lr, virtual_stages=s.virtual_stages, cp_attention=s.cp_attention)
+    corpus = load_corpus(s.corpus, max_files=s.max_files)
+    train = Sampler(corpus.train, s.batch_size, s.seq_len, s.seed)
+    val = Sampler(corpus.val, s.batch_size, s.seq_len)
+    folder = os.path.join(s.out, "checkpoint") if s.out else None
+    start = 0
+    if s.resume and folder and os.path.exists(os.path.join(folder, checkpoint.INDEX)):
+        start = checkpoint.load(par, folder)
+    first = mesh.rank == 0
+    log = _Log(s, start, first)
+    if first:
+        log.write({"event": "start", "step": start, "world": mesh.world_size, "settings": asdict(s),
+                   "params": cfg.num_params(), "corpus": corpus.describe()})
+    flops_per_step = _flops_per_token(cfg, s.seq_len) * s.batch_size * s.seq_len
+    bar = _bar(s, start, progress_fd) if first else None
+    stop = _StopOnInterrupt()
+    losses, norms, recording, stopping = [], [], _trace.current(), False
+    try:
+        for step in range(start, s.steps):
+            if recording is not None:
+                recording.clear()  # keep the last step's record only (``--trace-out``)
+            last_rank = mesh.rank == mesh.world_size - 1
+            if s.kill_at == step and last_rank and not os.path.exists(kill_mark(s)):
+                open(kill_mark(s), "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, planted: the run must notice
+            t0 = time.perf_counter()
+            loss, aux, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
+            loss, stopping = _world_mean(loss, par.device, stop.asked, aux)
+            seconds = time.perf_counter() - t0
+            losses.append(loss)
+            norms.append(norm)
+            done = step + 1
+            record = {"step": done, "loss": round(loss, 5), "grad_norm": round(norm, 5),
+                      "lr": lr_at(step, s), "seconds": round(seconds, 4),
+                      "tokens_per_s": round(s.batch_size * s.seq_len / seconds)}
+            if peak_flops:
+                record["mfu"] = round(flops_per_step / seconds / (peak_flops * mesh.world_size), 4)
+            if done == s.steps or (s.eval_every and done % s.eval_every == 0):
+                with _trace.recording(mesh.rank):  # apart: --trace-out holds the training step
+                    record["val_loss"] = round(evaluate(par, val, s.eval_batches), 5)
+            if first:
+                log.write(record)
+                _advance(bar, record)
+            saving = s.save_every and done % s.save_every == 0
+            if folder and (stopping or done == s.steps or saving):
+                checkpoint.save(par, folder, step=done)
+            if stopping:
+                break
+    finally:
+        stop.restore()
+        if bar is not None:
+            bar.close()
+    out = {"losses": losses, "norms": norms, "start": start, "stopped": stopping,
+           "signal": stop.signal, "coords": [mesh.coords.dp, mesh.coords.pp, mesh.coords.tp]}
+    if keep_shards:
+        out["shards"] = par.local_shards()
+    return out
+
+
+def kill_mark(s: Settings) -> str:
+    """The file that says the planted failure (``kill_at``) happened: it happens once."""
+    return os.path.join(s.out, KILL_MARK)
+
+
+def _flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    from minitp.cost import training_flops_per_token
+
+    return training_flops_per_token(cfg, seq)
 
 
 class _StopOnInterrupt:
@@ -246,122 +387,20 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def evaluate(par: Parallel3D, sampler: Sampler, batches: int) -> float:
-    """The mean cross-entropy over ``batches`` validation batches, in nats per byte: how well the model
-    predicts files it never trained on. A MoE's auxiliary (load-balancing) loss, which the training
-    loss holds, is left out on every layout: it is a term of the objective, not of the prediction,
-    and without it a MoE's validation compares with a dense model's. Each batch runs the step's own
-    forward and backward (the layout's only path through a pipeline); the gradients are thrown away."""
-    total = 0.0
-    for i in range(batches):
-        loss = par.forward_backward(*sampler.batch(i))
-        par.optimizer.zero_grad(set_to_none=True)
-        if loss is not None and par.pipeline is None:  # one stage: its loss also holds coef · aux
-            loss -= par.aux_loss_coef * float(aux_loss(par.module))  # its layers' aux (0 without a MoE)
-        total += _world_mean(loss, par.device)[0]  # a pipeline's loss: the cross-entropy only
-    return total / batches
-
-
-def train_step(par: Parallel3D, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
-               clip: float) -> tuple[float | None, float, float]:
-    """One optimizer step on the global batch: forward and backward (gradients averaged over the
-    replicas), clip by the global norm, step at ``lr``. Returns (this replica's loss or None off the
-    last stage, what this rank's stage adds to that loss, the norm before clipping). The loss is one
-    process's: a MoE's is the cross-entropy plus coef · aux, which one stage computes whole, but under
-    a pipeline each stage holds its own layers' part of aux (``Parallel3D.aux_per_step``): the second
-    value, added up over the stages by ``_world_mean`` (0 without a MoE under a pipeline)."""
-    par.optimizer.zero_grad(set_to_none=True)
-    loss = par.forward_backward(tokens, targets)
-    norm = clip_grad_norm_(par, clip)
-    for group in par.optimizer.param_groups:
-        group["lr"] = lr
-    with _trace.span("optimizer"):
-        par.optimizer.step()
-    return loss, par.aux_loss_coef * par.aux_per_step, norm
-
-
-def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int | None = None,
-                 keep_shards: bool = False) -> dict:
-    """One rank of a run: returns its losses and norms per step (and, ``keep_shards``, its pieces)."""
-    cfg = s.config
-    mesh = Mesh(s.dp * s.cp, s.pp, s.tp, cp=s.cp, ep=s.ep)
-    par = Parallel3D(build(cfg, s.seed), mesh, s.data_parallel, s.zero, s.microbatches, s.schedule, lr=s.lr,
-                     virtual_stages=s.virtual_stages, cp_attention=s.cp_attention)
-    corpus = load_corpus(s.corpus, max_files=s.max_files)
-    train, val = Sampler(corpus.train, s.batch_size, s.seq_len, s.seed), Sampler(corpus.val, s.batch_size, s.seq_len)
-    folder = os.path.join(s.out, "checkpoint") if s.out else None
-    start = 0
-    if s.resume and folder and os.path.exists(os.path.join(folder, checkpoint.INDEX)):
-        start = checkpoint.load(par, folder)
-    first = mesh.rank == 0
-    log = _Log(s, start, first)
-    if first:
-        log.write({"event": "start", "step": start, "world": mesh.world_size, "settings": asdict(s),
-                   "params": cfg.num_params(), "corpus": corpus.describe()})
-    flops_per_step = _flops_per_token(cfg, s.seq_len) * s.batch_size * s.seq_len
-    bar = _bar(s, start, progress_fd) if first else None
-    stop = _StopOnInterrupt()
-    losses, norms, recording, stopping = [], [], _trace.current(), False
-    try:
-        for step in range(start, s.steps):
-            if recording is not None:
-                recording.clear()  # keep the last step's record only (``--trace-out``), not a run's worth
-            if s.kill_at == step and mesh.rank == mesh.world_size - 1 and not os.path.exists(_kill_mark(s)):
-                open(_kill_mark(s), "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, planted: the whole run must notice
-            t0 = time.perf_counter()
-            loss, aux, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
-            loss, stopping = _world_mean(loss, par.device, stop.asked, aux)
-            seconds = time.perf_counter() - t0
-            losses.append(loss)
-            norms.append(norm)
-            done = step + 1
-            record = {"step": done, "loss": round(loss, 5), "grad_norm": round(norm, 5), "lr": lr_at(step, s),
-                      "seconds": round(seconds, 4), "tokens_per_s": round(s.batch_size * s.seq_len / seconds)}
-            if peak_flops:
-                record["mfu"] = round(flops_per_step / seconds / (peak_flops * mesh.world_size), 4)
-            if done == s.steps or (s.eval_every and done % s.eval_every == 0):
-                with _trace.recording(mesh.rank):  # apart: the record (--trace-out) holds the training step
-                    record["val_loss"] = round(evaluate(par, val, s.eval_batches), 5)
-            if first:
-                log.write(record)
-                _advance(bar, record)
-            if folder and (stopping or done == s.steps or (s.save_every and done % s.save_every == 0)):
-                checkpoint.save(par, folder, step=done)
-            if stopping:
-                break
-    finally:
-        stop.restore()
-        if bar is not None:
-            bar.close()
-    out = {"losses": losses, "norms": norms, "start": start, "stopped": stopping, "signal": stop.signal,
-           "coords": [mesh.coords.dp, mesh.coords.pp, mesh.coords.tp]}
-    if keep_shards:
-        out["shards"] = par.local_shards()
-    return out
-
-
-def _kill_mark(s: Settings) -> str:
-    return os.path.join(s.out, KILL_MARK)
-
-
-def _flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    from minitp.cost import training_flops_per_token
-
-    return training_flops_per_token(cfg, seq)
-
-
+# -- the log: out/log.jsonl ------------------------------------------------------------------------
 class _Log:
-    """``out/log.jsonl``, written by the first rank, one record a line, each appended whole and flushed:
-    a crash (a kill, a full disk) can tear only the last line, which a reader drops. A resumed run first
-    drops the records of the steps after its checkpoint (a crashed run got further than it saved): they
-    are run again. That rewrite goes to a temporary file renamed over the log, so a crash during it
-    leaves the old log or the new one."""
+    """``out/log.jsonl``, written by the first rank, one record a line, each appended whole and
+    flushed: a crash (a kill, a full disk) can tear only the last line, which ``read_log`` drops. A
+    resumed run first drops the records of the steps after its checkpoint (a crashed run got
+    further than it saved): they are run again. That rewrite goes to a temporary file renamed over
+    the log, so a crash during it leaves the old log or the new one."""
 
     def __init__(self, s: Settings, start: int, first: bool):
         self.path = os.path.join(s.out, "log.jsonl") if s.out and first else None
         if self.path and os.path.exists(self.path):
-            kept = [record for record in read_log(self.path) if record.get("step", 0) <= start] if start else []
+            kept = []
+            if start:
+                kept = [record for record in read_log(self.path) if record.get("step", 0) <= start]
             tmp = f"{self.path}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
                 f.writelines(json.dumps(record) + "\n" for record in kept)
@@ -373,6 +412,27 @@ class _Log:
                 f.write(json.dumps(record) + "\n")  # one write of a whole line
 
 
+def read_log(path: str) -> list[dict]:
+    """The records of a ``log.jsonl``. A last line cut short (the run was killed, or the disk was
+    full, while writing it) is dropped, and said once; a damaged line before the last is refused,
+    naming it."""
+    with open(path, errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}, is not a JSON record: the log was "
+                                 f"edited or damaged (only its last line can be torn by a crash)") \
+                    from None
+            print(f"minitp: {path}: its last line was cut short (a crash, or a full disk): dropped",
+                  file=sys.stderr)
+    return records
+
+
+# -- the progress bar ------------------------------------------------------------------------------
 def _bar(s: Settings, start: int, fd: int | None):
     """The first rank's progress bar; under minitp's launcher on the parent's terminal (``fd``)."""
     if fd is None and not sys.stderr.isatty():
@@ -387,7 +447,8 @@ def _bar(s: Settings, start: int, fd: int | None):
         width = os.get_terminal_size(stream.fileno()).columns or 100
     except OSError:
         width = 100
-    return tqdm(total=s.steps, initial=start, file=stream, unit="step", ncols=min(width, 120), mininterval=0.5)
+    return tqdm(total=s.steps, initial=start, file=stream, unit="step", ncols=min(width, 120),
+                mininterval=0.5)
 
 
 def _advance(bar, record: dict) -> None:
@@ -402,305 +463,28 @@ def _advance(bar, record: dict) -> None:
     bar.update(1)
 
 
-def auto_layout(s: Settings, nproc: int) -> tuple[Settings, list[dict]]:
-    """The planner's pick for ``nproc`` processes of this machine: every (dp, pp, tp) the model and the
-    batch allow (micro-batches: 2·pp with a pipeline), each step timed by the time model
-    (``minitp.cost.step_time``, fp32) on this machine's calibration; the fastest wins. Memory decides
-    nothing here: the byte models need a few tens of MB per process. Returns (the settings, every row)."""
-    from minitp import cost
-    from minitp.measure.calibrate import read_calibration
-    from minitp.plan import candidate_layouts
-
-    cal, why = read_calibration()
-    if cal is None:
-        raise ValueError(why or "--layout auto times each layout on this machine's calibration, and none is stored: "
-                         "run minitp calibrate first (about 10 s), or give --dp, --tp and --pp")
-    device, rows = cost.device_from_calibration(cal), []
-    for dp, pp, tp in candidate_layouts(nproc, nproc):
-        option = replace(s, dp=dp, pp=pp, tp=tp, cp=1, microbatches=2 * pp if pp > 1 else 1)
-        try:
-            option.check()
-        except ValueError:
-            continue
-        step = cost.step_time(s.config, s.batch_size, s.seq_len, dp, tp, pp, device, option.microbatches,
-                              s.data_parallel, s.zero or 3, "fp32").step_s
-        rows.append({"dp": dp, "pp": pp, "tp": tp, "microbatches": option.microbatches, "step_s": step})
-    if not rows:
-        raise ValueError(f"no layout of {nproc} processes takes the {s.model} model with batch {s.batch_size}")
-    rows.sort(key=lambda r: r["step_s"])
-    best = rows[0]
-    return replace(s, dp=best["dp"], pp=best["pp"], tp=best["tp"], cp=1, microbatches=best["microbatches"]), rows
-
-
-# -- the parent: checks, restarts, the figure ------------------------------------------------------------
-def train(s: Settings, max_restarts: int = 0, timeout: float = 24 * 3600, echo: bool = True,
-          keep_shards: bool = False, backend: str = "gloo"):
-    """Run ``s`` on ``s.world`` local processes (or in place under torchrun); relaunch up to
-    ``max_restarts`` times from the last checkpoint when a rank dies. backend: "gloo" (CPU) or "nccl"
-    (one GPU per process; no MFU is shown, as the peak is measured on a CPU core). Returns the last
-    launch's ``Results`` (each rank's ``train_worker`` dict)."""
-    s.check()
-    if max_restarts and not s.out:
-        raise ValueError("--max-restarts needs --out DIR: a restart continues from the checkpoint saved there")
-    check_memory(s.config, s.world, s.batch_size // s.dp, s.seq_len, s.tp)
-    corpus = load_corpus(s.corpus, max_files=s.max_files)  # built once here, not by every rank at once
-    with _holding(s.out):
-        if s.out:
-            _check_out(s)
-        return _train(s, corpus, max_restarts, timeout, echo, keep_shards, backend)
-
-
-def _check_out(s: Settings) -> None:
-    """Before any rank starts: ``out`` is a folder minitp may write, a finished run there is continued
-    (``resume``) or replaced (``overwrite``) only when asked, and the checkpoint to resume passes every
-    check a rank's load would make."""
-    folder = os.path.join(s.out, "checkpoint")
-    checkpoint.check_save_folder(folder, f"--out {s.out}'s checkpoint/")
-    held = [name for name in OUT_FILES if os.path.exists(os.path.join(s.out, name))]
-    if held and not (s.resume or s.overwrite):
-        raise ValueError(f"--out {s.out} holds a run ({', '.join(held)}): add --resume to continue it, or "
-                         f"--overwrite to start again there (its log, figure and checkpoint are replaced)")
-    if s.overwrite and not under_torchrun_rank(1):
-        for name in held:
-            path = os.path.join(s.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if s.resume and os.path.exists(os.path.join(s.out, "log.jsonl")):
-        read_log(os.path.join(s.out, "log.jsonl"))  # a damaged line refused here, a torn last one said here
-    if s.resume and os.path.exists(os.path.join(folder, checkpoint.INDEX)):
-        with torch.device("meta"):  # the shapes of the model the ranks will build: no memory, no values
-            shapes = {name: tuple(p.shape) for name, p in build(s.config, s.seed).named_parameters()}
-        step = checkpoint.check_before_launch(folder, s.config, shapes)
-        if step >= s.steps:
-            raise ValueError(f"--out {s.out}'s checkpoint is at step {step}: nothing left to train up to "
-                             f"--steps {s.steps}; give more steps to go on")
-
-
-def under_torchrun_rank(first: int) -> bool:
-    """Under torchrun, whether this process is a rank from ``first`` on (one that leaves shared files
-    to rank 0)."""
-    from minitp.launcher import under_torchrun
-
-    return under_torchrun() and int(os.environ["RANK"]) >= first
-
-
-@contextlib.contextmanager
-def _holding(out: str | None):
-    """Hold ``out`` for the run: a second ``minitp train`` into it is refused, not interleaved (its
-    saves and clean-ups would remove this run's). An advisory lock (``fcntl.flock``) on
-    ``out/.minitp-lock``: the kernel lets it go when the process ends, however it ends. Under
-    torchrun every rank runs this function, so only rank 0 holds it."""
-    if not out or under_torchrun_rank(1):
-        yield
-        return
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} is a file; expected a folder for the log, figure and checkpoint")
-    try:
-        os.makedirs(out, exist_ok=True)
-        handle = open(os.path.join(out, LOCK), "a+")
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot make the folder or write in it ({e.strerror})") from None
-    try:
-        import fcntl
-
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            who = handle.read().strip() or "another process"
-            raise ValueError(f"--out {out} is in use by another minitp train ({who}): wait for it to end, "
-                             f"or give another --out") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        yield
-    finally:
-        handle.close()  # the lock goes with the file
-
-
-def _train(s: Settings, corpus, max_restarts: int, timeout: float, echo: bool, keep_shards: bool,
-           backend: str):
-    """``train`` once its checks passed: the launches, a restart after each lost rank, the figure."""
-    from minitp.launcher import LaunchError, launch, under_torchrun
-
-    peak = _peak_flops() if backend == "gloo" else None
-    # the parent's terminal, for the first rank's progress bar (a forked rank inherits the copy; its own
-    # stderr goes to a file the launcher relays at the end)
-    fd = os.dup(sys.stderr.fileno()) if (echo and sys.stderr.isatty() and not under_torchrun()) else None
-    if echo:
-        print(f"minitp train: {s.model} ({s.config.num_params() / 1e6:.2f} M parameters) on {s.world} "
-              f"process{'es' * (s.world > 1)} (dp {s.dp}, tp {s.tp}, pp {s.pp}, cp {s.cp}, ep {s.ep}, "
-              f"{s.data_parallel}); {corpus.describe()}", flush=True)
-    for attempt in range(max_restarts + 1):
-        began = time.time()
-        try:
-            with _signals_ask_the_ranks():
-                results = launch(train_worker, None if under_torchrun() else s.world, s, peak, fd, keep_shards,
-                                 timeout=timeout, echo=False, backend=backend, keep_sigterm=True)
-            break
-        except LaunchError as e:
-            if attempt == max_restarts or not s.out or _refused(e):
-                raise
-            said = str(e).splitlines()[0]
-            mark = _kill_mark(s) if s.kill_at is not None else None
-            planted = mark is not None and os.path.exists(mark) and os.path.getmtime(mark) >= began
-            if planted and "SIGKILL" in said:
-                said = said.split(" before ")[0] + f" at step {s.kill_at}: the failure --kill-at planted"
-            print(f"minitp train: {said}\nminitp train: restart {attempt + 1} of {max_restarts}, "
-                  f"from the last checkpoint in {s.out}", file=sys.stderr, flush=True)
-            s = replace(s, resume=True, overwrite=False)
-    if fd is not None:
-        os.close(fd)
-    if s.out and (not under_torchrun() or os.environ["RANK"] == "0"):
-        try:
-            draw_log(os.path.join(s.out, "log.jsonl"), os.path.join(s.out, "loss.png"))
-        except ImportError:
-            print("minitp train: loss.png not drawn: matplotlib is not installed (pip install 'minitp[course]')",
-                  file=sys.stderr)
-    return results
-
-
-def _refused(error) -> bool:
-    """Whether a rank refused its input (a ``CheckpointError`` or another ``ValueError``): the same
-    refusal would come again after a restart, so none is made."""
-    lines = getattr(error, "remote_traceback", "").strip().splitlines()
-    kind = lines[-1].partition(":")[0] if lines else ""
-    return kind in ("ValueError", "minitp.checkpoint.CheckpointError")
-
-
-class StoppedAtOnce(KeyboardInterrupt):
-    """A second Ctrl-C (or SIGTERM) while the ranks were finishing their step to save: they were ended
-    at once, and the last checkpoint saved before stays."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _signals_ask_the_ranks():
-    """In the parent, while the ranks run: Ctrl-C, Jupyter's Interrupt (SIGINT to this process alone)
-    and SIGTERM (``timeout``, a batch scheduler) each ask the ranks to finish the step, save and leave:
-    the parent passes the signal on to every rank (a terminal's Ctrl-C reached them already: asking
-    twice is asking once). A second signal ends everything at once (``StoppedAtOnce``)."""
-    if not _main_thread():
-        yield
-        return
-    import multiprocessing
-
-    got = []
-
-    def on_signal(signum, _frame):
-        got.append(signum)
-        if len(got) > 1:
-            raise StoppedAtOnce(signum)
-        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\nminitp train: stopping at the end of this step and saving a checkpoint ({again} again: stop now)",
-              file=sys.stderr, flush=True)
-        for child in multiprocessing.active_children():
-            if child.name.startswith("minitp-rank") and child.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, signum)
-
-    old = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
-
-
-def _peak_flops() -> float | None:
-    """One core's matrix-multiply FLOP/s (one thread, 512³ in fp32): from this machine's calibration
-    (``minitp calibrate``) when stored. MFU is the model's FLOPs per second over this, times the ranks."""
-    from minitp.measure.calibrate import matmul_flops_per_s, read_calibration
-
-    cal, _ = read_calibration()
-    if cal:
-        return cal.get("flops_per_s_large") or cal["flops_per_s"]
-    return matmul_flops_per_s(512, 512, 512, repeats=5)  # none stored: a quick measure (a fraction of a second)
-
-
-def read_log(path: str) -> list[dict]:
-    """The records of a ``log.jsonl``. A last line cut short (the run was killed, or the disk was full,
-    while writing it) is dropped, and said once; a damaged line before the last is refused, naming it."""
-    with open(path, errors="replace") as f:
-        lines = [line for line in f if line.strip()]
-    records = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if number < len(lines):
-                raise ValueError(f"{path}, line {number}, is not a JSON record: the log was edited or damaged "
-                                 f"(only its last line can be torn by a crash)") from None
-            print(f"minitp: {path}: its last line was cut short (a crash, or a full disk): dropped",
-                  file=sys.stderr)
-    return records
-
-
-def draw_log(log_path: str, png_path: str) -> None:
-    """The loss curve of ``log_path``: training loss per step and validation loss, in nats per byte."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from minitp.viz.train import loss_figure
-
-    fig = loss_figure(read_log(log_path))
-    fig.savefig(png_path, dpi=120, bbox_inches="tight")
-
-
-# -- the same run on one process: what every layout is checked against ---------------------------------------
-def reference(s: Settings, steps: int | None = None) -> tuple[list[float], list[float], Transformer]:
-    """The first ``steps`` steps of ``s`` on one process with the whole batch: the same model, batches,
-    schedule and clipping (``torch.nn.utils.clip_grad_norm_``). Returns (losses, norms, model)."""
+# -- the same run on one process: what every layout is checked against -----------------------------
+def reference(s: Settings,
+              steps: int | None = None) -> tuple[list[float], list[float], Transformer]:
+    """The first ``steps`` steps of ``s`` on one process with the whole batch: the same model,
+    batches, schedule and clipping (``torch.nn.utils.clip_grad_norm_``). Returns (losses, norms,
+    model)."""
     cfg = s.config
     model = build(cfg, s.seed)
     loss = moe_loss(model) if isinstance(cfg, MoEConfig) else loss_fn
     optimizer = make_optimizer(model.parameters(), s.lr)
-    train = Sampler(load_corpus(s.corpus, max_files=s.max_files).train, s.batch_size, s.seq_len, s.seed)
+    corpus = load_corpus(s.corpus, max_files=s.max_files)
+    train = Sampler(corpus.train, s.batch_size, s.seq_len, s.seed)
+    max_norm = s.clip if s.clip > 0 else math.inf  # inf: the norm, measured, and nothing scaled
     losses, norms = [], []
     for step in range(steps or s.steps):
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = train.batch(step)
         value = loss(model(tokens), targets)
         value.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else math.inf).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, s)
         optimizer.step()
         losses.append(value.item())
     return losses, norms, model
-
-
-# -- sampling from a checkpoint ---------------------------------------------------------------------------------
-def load_for_sampling(path: str) -> Transformer:
-    """The model of a ``minitp train`` checkpoint (any layout) on one process."""
-    saved = checkpoint.load_full(path)
-    cfg = (MoEConfig if "n_experts" in saved["config"] else ModelConfig)(**saved["config"])
-    model = build(cfg, 0)
-    model.load_state_dict(saved["params"], strict=True)
-    return model.eval()
-
-
-@torch.no_grad()
-def sample(model: Transformer, prompt: str, new_tokens: int = 200, temperature: float = 0.8,
-           seed: int = 0) -> str:
-    """Text the model writes after ``prompt`` (bytes), one token at a time with its KV cache."""
-    from minitp.data import decode, encode
-    from minitp.models.llama import generate
-
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one character, e.g. --prompt 'def '")
-    tokens = encode(prompt)[None, -model.config.max_seq_len // 2:]
-    new_tokens = min(new_tokens, model.config.max_seq_len - tokens.shape[1])
-    g = torch.Generator().manual_seed(seed)
-
-    def next_token(logits: torch.Tensor) -> torch.Tensor:
-        if temperature <= 0:
-            return logits[:, -1].argmax(-1, keepdim=True)
-        last = logits[:, -1]
-        scaled = (last - last.max(-1, keepdim=True).values) / temperature  # the top byte 0, the rest <= 0: no inf/inf
-        return torch.multinomial(torch.softmax(scaled, -1), 1, generator=g)
-
-    return decode(generate(model, tokens, new_tokens, next_token)[0])

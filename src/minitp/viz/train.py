@@ -39,3 +39,13 @@ def loss_figure(records: list[dict], title: str | None = None, width: float = 8.
     if title:
         ax.set_title(title, fontsize=11)
     return fig
+
+
+def save_loss_figure(records: list[dict], path: str) -> None:
+    """``loss_figure`` of a run's records (``minitp.trainer.read_log``) saved as a PNG: the
+    ``out/loss.png`` of ``minitp train``, drawn with no display (matplotlib's Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = loss_figure(records)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
