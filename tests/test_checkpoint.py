@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minitp import checkpoint, runs
+from minitp.checkpoint import saving
 from minitp.launcher import RankError, launch
 from minitp.models import build_model, get_config, loss_fn
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
@@ -144,7 +145,7 @@ def _crash_while_saving(src: str, dst: str):
                 f.write(data[: len(data) // 2])
             os._exit(1)  # the machine went down mid-save
 
-        checkpoint._write_atomic = die_midway
+        saving.write_atomic = die_midway
     checkpoint.save(par, dst, step + 100)
 
 

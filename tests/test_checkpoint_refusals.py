@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from minitp import checkpoint, cli, runs
+from minitp.checkpoint import disk, saving
+from minitp.checkpoint.index import digest
 from minitp.launcher import RankError, launch
 from minitp.models import build_model, get_config
 
@@ -72,7 +74,7 @@ def _rewrite_index(path: str, edit) -> None:
     with open(index_path) as f:
         index = json.load(f)
     edit(index)
-    index["sha256"] = checkpoint._digest(index)
+    index["sha256"] = digest(index)
     with open(index_path, "w") as f:
         json.dump(index, f)
 
@@ -111,7 +113,7 @@ def test_a_save_from_the_library_into_a_learners_folder_removes_nothing(tmp_path
 def test_saving_over_a_minitp_checkpoint_replaces_it_and_removes_only_what_minitp_left(saved, tmp_path):
     target = shutil.copytree(saved / "dense", tmp_path / "target")
     os.remove(os.path.join(target, "save-000001", checkpoint.MARK))  # an older minitp's: its index names it
-    checkpoint._make_save_folder(str(target), "save-000007")  # a save that crashed: marked, named by no index
+    disk.make_save_folder(str(target), "save-000007")  # a save that crashed: marked, named by no index
     os.makedirs(os.path.join(target, "save-000009.minitp-tmp-42"))  # a save folder that was being born
     open(os.path.join(target, "index.json.minitp-tmp-17"), "w").close()  # an index that was being written
     runs.run_3d(dp=1, tp=1, pp=1, steps=2, resume_from=str(target), save_to=str(target))
@@ -207,7 +209,7 @@ def test_a_save_that_fills_the_disk_removes_its_folder_leaves_the_previous_check
         saved, tmp_path, monkeypatch, capsys):
     target = str(shutil.copytree(saved / "dense", tmp_path / "target"))
     before = _tree(target)
-    write = checkpoint._write_atomic
+    write = disk.write_atomic
 
     def disk_full(path, data):  # the ranks are forked: they write through this too
         if path.endswith(".pt"):
@@ -216,7 +218,7 @@ def test_a_save_that_fills_the_disk_removes_its_folder_leaves_the_previous_check
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         write(path, data)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", disk_full)
+    monkeypatch.setattr(saving, "write_atomic", disk_full)
     code, lines = _minitp([*ONE_RANK, "--steps", "2", "--resume-from", target, "--save-to", target], capsys)
     assert code == 1 and len(lines) == 1, lines
     assert lines[0] == (f"minitp: error: rank 0: [Errno 28] No space left on device while writing "
@@ -233,7 +235,7 @@ def test_a_write_that_fails_removes_its_temporary_file_and_names_the_file(tmp_pa
     monkeypatch.setattr(os, "fsync", disk_full)
     where = str(tmp_path / "rank00000.pt")
     with pytest.raises(OSError) as failed:
-        checkpoint._write_atomic(where, b"some bytes")
+        disk.write_atomic(where, b"some bytes")
     assert failed.value.errno == errno.ENOSPC and failed.value.filename == where
     assert os.listdir(tmp_path) == []
 

@@ -138,20 +138,20 @@ def test_a_timeout_names_the_call_each_rank_waits_in_and_the_likely_mistake(patt
 
 
 def test_the_likely_mistake_is_named_only_for_a_known_pattern():
-    from minitp.launcher import _likely_mistake
+    from minitp.launcher.stuck import likely_mistake
 
     def call(op, peer=None, label="", shape=(4,), group=(0, 1)):
         return {"call": op, "op": op, "peer": peer, "label": label, "group": list(group), "shape": list(shape)}
 
-    assert _likely_mistake({0: call("send", 1)}, returned=[1]) == \
+    assert likely_mistake({0: call("send", 1)}, returned=[1]) == \
         "Rank 0's send to rank 1 waits for a receive, but rank 1 returned: a recv is missing."
-    assert _likely_mistake({0: call("all_reduce", shape=(4,)), 1: call("all_reduce", shape=(6,))}, []) == \
+    assert likely_mistake({0: call("all_reduce", shape=(4,)), 1: call("all_reduce", shape=(6,))}, []) == \
         "The ranks called all_reduce with different shapes ((4,), (6,)): every rank passes the same."
-    assert _likely_mistake({2: call("all_reduce", group=(0, 1, 2))}, returned=[0, 1]) == \
+    assert likely_mistake({2: call("all_reduce", group=(0, 1, 2))}, returned=[0, 1]) == \
         "Ranks 0, 1 returned without joining all_reduce: every rank of the group must call it."
-    assert _likely_mistake({0: call("send", 1), 1: call("recv", 0)}, []) == ""  # matched: not a known mistake
-    assert _likely_mistake({0: call("recv", 1), 1: {"where": "sleep (x.py:3)"}}, []) == ""  # one rank not in comm
-    assert _likely_mistake({0: call("all_reduce"), 1: call("recv", 0)}, []) == ""
+    assert likely_mistake({0: call("send", 1), 1: call("recv", 0)}, []) == ""  # matched: not a known mistake
+    assert likely_mistake({0: call("recv", 1), 1: {"where": "sleep (x.py:3)"}}, []) == ""  # one rank not in comm
+    assert likely_mistake({0: call("all_reduce"), 1: call("recv", 0)}, []) == ""
 
 
 def _exit_hard():
@@ -278,12 +278,12 @@ def test_the_debug_level_set_after_import_reaches_the_ranks(monkeypatch):
 def test_ranks_start_by_spawn_where_torch_sees_a_gpu(monkeypatch):
     """A forked child can neither start CUDA nor run a backward after the parent ran one (seen on an
     H200: "Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
-    from minitp import launcher
+    from minitp.launcher.local import default_start_method
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert launcher._default_start_method() == "spawn"
+    assert default_start_method() == "spawn"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert launcher._default_start_method() == ("fork" if sys.platform.startswith("linux") else "spawn")
+    assert default_start_method() == ("fork" if sys.platform.startswith("linux") else "spawn")
 
 
 # -- torch._dynamo (what an optimizer's first step imports): warmed in the parent only when needed --------

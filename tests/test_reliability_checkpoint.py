@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from minitp import checkpoint
+from minitp.checkpoint.index import digest
 from minitp.launcher import RankError, launch
 from minitp.models import build_model, get_config
 
@@ -133,7 +134,7 @@ def _rewrite_index(path: str, edit, checksum: bool) -> None:
         index = json.load(f)
     edit(index)
     if checksum:  # whoever edited it also knew to recompute the checksum
-        index["sha256"] = checkpoint._digest(index)
+        index["sha256"] = digest(index)
     with open(index_path, "w") as f:
         json.dump(index, f)
 
