@@ -3,6 +3,7 @@
 follow fails here. Each test recomputes a number and asserts the prose says it as written (those
 already pinned by test_chapter_numbers.py and test_problems_ch07.py are not repeated)."""
 
+import ast
 import inspect
 import math
 
@@ -157,9 +158,9 @@ def test_the_allgather_holds_n_over_2_times_the_rings_keys_and_values():
 
 def test_the_allgather_attend_is_14_lines_besides_its_docstring():
     source = inspect.getsource(cp.AllGatherAttend)
-    doc = cp.AllGatherAttend.__doc__
-    body = source.replace(f'"""{doc}"""', "")
-    lines = [line for line in body.splitlines() if line.strip()]
+    docstring = ast.parse(source).body[0].body[0]  # its lines, not __doc__ (Python 3.13 dedents that)
+    lines = [line for number, line in enumerate(source.splitlines(), start=1)
+             if line.strip() and not docstring.lineno <= number <= docstring.end_lineno]
     assert len(lines) == 14 and "`cp.AllGatherAttend` is 14 lines besides its docstring" in text()
 
 
