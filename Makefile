@@ -12,6 +12,8 @@ export NO_MKDOCS_2_WARNING := 1
 help:
 	@echo "make lab        JupyterLab on the repository: your copies in student/, the solved chapters in notebooks/"
 	@echo "make test       everything CI runs: library, oracles, notebooks (nbval), website build"
+	@echo "make test-fast  the tests that start no rank (kinds unit and chapters): under a minute;"
+	@echo "                .venv/bin/python -m pytest -m KIND tests runs one kind (tests/conftest.py)"
 	@echo "make site       build the website into site/"
 	@echo "make student    learner copies of the notebooks (no solutions) into student/; keeps copies you changed"
 	@echo "                (make student FRESH=1 overwrites them)"
@@ -43,8 +45,11 @@ test: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q notebooks $(NBVAL); notebooks=$$?; \
 	test $$tests -eq 0 -a $$notebooks -eq 0
 
+# The kinds of tests/conftest.py's KINDS that start no rank (a test of them that does fails): unit
+# and chapters. Not the oracles, the exercises (their checkers run answers on 2-4 ranks and wait out the
+# hangs they name: 2.5-3 minutes alone), the website or the notebooks; `make test` runs them all.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "not site"
+	$(BIN)/python -m pytest -q tests -m "unit or chapters"
 
 # JupyterLab opens at the repository root, its file browser in student/ (the learner's copies, made
 # here when missing; a copy you changed is kept). MINITP_PROGRESS=1: runs of several seconds show a
