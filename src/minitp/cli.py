@@ -70,11 +70,10 @@ def _rank_one_line(error: LaunchError) -> tuple[str, int] | None:
     """A rank's ``CheckpointError`` (a checkpoint refused: exit 2, as in the parent) or ``OSError``
     (a file it could not read or write, a full disk: exit 1) as one line, naming the rank; None for
     anything else, whose traceback the learner needs."""
-    lines = error.remote_traceback.strip().splitlines() if isinstance(error, RankError) else []
-    kind, said, message = lines[-1].partition(": ") if lines else ("", "", "")
-    if said and kind == "minitp.checkpoint.CheckpointError":
+    kind, message = error.raised if isinstance(error, RankError) else ("", "")
+    if message and kind == "minitp.checkpoint.CheckpointError":
         return f"rank {error.rank}: {message}", 2
-    if said and kind in OS_ERRORS:
+    if message and kind in OS_ERRORS:
         return f"rank {error.rank}: {message}", 1
     return None
 

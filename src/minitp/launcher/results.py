@@ -25,6 +25,14 @@ class RankError(LaunchError):
         self.rank = rank
         self.remote_traceback = remote_traceback
 
+    @property
+    def raised(self) -> tuple[str, str]:
+        """(the exception's qualified name, its message) from the traceback's last line, e.g.
+        ("minitp.checkpoint.CheckpointError", "x.pt is torn"); ("", "") for a rank that died."""
+        lines = self.remote_traceback.strip().splitlines()
+        kind, _, message = lines[-1].partition(": ") if lines else ("", "", "")
+        return kind, message
+
 
 class LaunchTimeout(LaunchError):
     """The run went past its timeout. ``stacks`` maps each unfinished rank to its Python stack,

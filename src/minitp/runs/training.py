@@ -182,8 +182,9 @@ def _draw(out: str) -> None:
 def _refused(error) -> bool:
     """Whether a rank refused its input (a ``CheckpointError`` or another ``ValueError``): the same
     refusal would come again after a restart, so none is made."""
-    lines = getattr(error, "remote_traceback", "").strip().splitlines()
-    kind = lines[-1].partition(":")[0] if lines else ""
+    from minitp.launcher import RankError
+
+    kind = error.raised[0] if isinstance(error, RankError) else ""
     return kind in ("ValueError", "minitp.checkpoint.CheckpointError")
 
 
