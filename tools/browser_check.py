@@ -3,8 +3,8 @@
 For the home page and every chapter page of a built site (``make site``) this
 
 * serves the site over HTTP on 127.0.0.1 (a free port), as a reader's browser would get it, and opens
-  each page in one headless Chromium driven over its DevTools protocol (on a pipe: no extra package),
-  at 1280 px wide, then as a phone 390 px wide;
+  each page in headless Chromium (the one installed, driven by Playwright: no browser download),
+  in a tab 1280 px wide, then in a tab that is a phone 390 px wide;
 * checks that **no request leaves the site**: every request the page makes is seen (the browser
   reports each one, and anything not on 127.0.0.1 goes to a dead proxy, so nothing really leaves),
   and the page's HTML and stylesheets are scanned for loads from other hosts that did not happen this
@@ -39,18 +39,13 @@ exits 1 and says what is wrong when a page fails; ``tests/test_site.py`` runs th
 from __future__ import annotations
 
 import argparse
-import base64
-import fcntl
 import functools
 import http.server
 import json
 import os
 import re
-import select
 import shutil
-import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -59,23 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
+from playwright.sync_api import Browser, Request, Response, sync_playwright
+
 CHROMIUM_NAMES = ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
+# Nothing but the site itself is reachable: every other host goes to a closed port (the page's
+# request is still seen and reported), and no host name resolves. Playwright adds the usual
+# switches of a quiet headless browser (no first-run pages, no updates, no crash reports).
 CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-extensions",
-    "--no-first-run",
-    "--no-default-browser-check",
-    "--hide-scrollbars",
-    "--mute-audio",
-    "--disable-crash-reporter",
-    "--disable-breakpad",
-    # nothing but the site itself is reachable: every other host goes to a closed port (the reader's
-    # request is still seen and reported), and no host name resolves
     "--proxy-server=http://127.0.0.1:9",
     "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
 ]
@@ -133,149 +118,63 @@ def serve(site_dir: Path) -> Iterator[str]:
         thread.join(timeout=5)
 
 
-class DevTools:
-    """One headless Chromium, driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``:
-    the browser reads JSON messages ending in a NUL byte on its fd 3 and answers on its fd 4)."""
-
-    def __init__(self, chromium: str):
-        self._profile = tempfile.TemporaryDirectory(prefix="minitp-chromium-")
-        to_browser_read, self._to_browser = os.pipe()
-        self._from_browser, from_browser_write = os.pipe()
-        command = [chromium, *CHROMIUM_FLAGS, "--remote-debugging-pipe", f"--user-data-dir={self._profile.name}",
-                   "about:blank"]
-        # posix_spawn puts the pipe's ends on the child's fds 3 and 4 (no preexec_fn: not safe in a
-        # process with threads, and the site's server is one); first above 4, so neither overwrites the other
-        ends = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 5) for fd in (to_browser_read, from_browser_write)]
-        devnull = os.open(os.devnull, os.O_RDWR)
-        actions = [(os.POSIX_SPAWN_DUP2, ends[0], 3), (os.POSIX_SPAWN_DUP2, ends[1], 4),
-                   *[(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]]
+@contextmanager
+def browser(chromium: str) -> Iterator[Browser]:
+    """One headless Chromium, the executable ``chromium``, for the block."""
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
         try:
-            self.pid = os.posix_spawn(chromium, command, dict(os.environ), file_actions=actions)
+            yield launched
         finally:
-            for fd in (to_browser_read, from_browser_write, *ends, devnull):
-                os.close(fd)
-        self._buffer = b""
-        self._next_id = 0
-        self.events: list[dict] = []
-
-    def _read(self, deadline: float) -> dict:
-        while b"\0" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._from_browser], [], [], left)[0]:
-                raise TimeoutError("Chromium did not answer in time")
-            chunk = os.read(self._from_browser, 1 << 20)
-            if not chunk:
-                raise RuntimeError("Chromium closed its DevTools pipe (it exited)")
-            self._buffer += chunk
-        message, _, self._buffer = self._buffer.partition(b"\0")
-        return json.loads(message)
-
-    def send(self, method: str, params: dict | None = None, session: str | None = None,
-             timeout: float = PAGE_TIMEOUT_S) -> dict:
-        """Send one command and return its result; the events that arrive meanwhile are kept."""
-        self._next_id += 1
-        message = {"id": self._next_id, "method": method, "params": params or {}}
-        if session:
-            message["sessionId"] = session
-        data = json.dumps(message).encode() + b"\0"
-        while data:
-            data = data[os.write(self._to_browser, data):]
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = self._read(deadline)
-            if reply.get("id") == self._next_id:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error'].get('message')}")
-                return reply.get("result", {})
-            if "method" in reply:
-                self.events.append(reply)
-
-    def wait_event(self, method: str, session: str, timeout: float = PAGE_TIMEOUT_S) -> dict:
-        """The first kept or coming event ``method`` of ``session`` (taken off the kept events)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for index, event in enumerate(self.events):
-                if event["method"] == method and event.get("sessionId") == session:
-                    return self.events.pop(index)
-            reply = self._read(deadline)
-            if "method" in reply:
-                self.events.append(reply)
-
-    def close(self) -> None:
-        try:
-            self.send("Browser.close", timeout=10)
-        except (OSError, RuntimeError, TimeoutError):
-            pass
-        deadline = time.monotonic() + 10
-        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                break
-            time.sleep(0.05)
-        for fd in (self._to_browser, self._from_browser):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._profile.cleanup()
+            launched.close()
 
 
 class Tab:
-    """A browser tab: open a page at a width, run JavaScript on it, photograph it, list its requests."""
+    """A browser tab at one screen size: open a page, run JavaScript on it, photograph it; it keeps
+    the requests the page made since it was opened."""
 
-    def __init__(self, devtools: DevTools):
-        self.devtools = devtools
-        target = devtools.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        self.session = devtools.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for domain in ("Page", "Network", "Runtime"):
-            self.send(f"{domain}.enable")
+    def __init__(self, browser: Browser, size: tuple[int, int], phone: bool = False):
+        width, height = size
+        # a phone draws each CSS px with two pixels and lays the page out as its viewport tag says
+        context = browser.new_context(viewport={"width": width, "height": height},
+                                      device_scale_factor=2 if phone else 1, is_mobile=phone)
+        context.set_default_timeout(PAGE_TIMEOUT_S * 1000)
+        self.page = context.new_page()
+        self.asked: list[str] = []  # every URL the page asked for
+        self.failed: list[str] = []  # the files that failed, or came back as errors
+        self.page.on("request", self._asked)
+        self.page.on("response", self._answered)
+        self.page.on("requestfailed", self._request_failed)
 
-    def send(self, method: str, params: dict | None = None, timeout: float = PAGE_TIMEOUT_S) -> dict:
-        return self.devtools.send(method, params, self.session, timeout)
+    def _asked(self, request: Request) -> None:
+        self.asked.append(request.url)
 
-    def viewport(self, width: int, height: int, phone: bool = False) -> None:
-        self.send("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": 2 if phone else 1, "mobile": phone})
+    def _answered(self, response: Response) -> None:
+        if response.status >= 400:
+            self.failed.append(f"{response.url} ({response.status})")
+
+    def _request_failed(self, request: Request) -> None:
+        if request.failure != "net::ERR_ABORTED":  # cancelled (the page no longer needed it)
+            self.failed.append(f"{request.url} ({request.failure})")
+
+    def viewport(self, width: int, height: int) -> None:
+        self.page.set_viewport_size({"width": width, "height": height})
 
     def open(self, url: str) -> None:
         """Load ``url`` and wait until it is drawn: MathJax done, fonts loaded, images decoded."""
-        self.devtools.events = [e for e in self.devtools.events if e.get("sessionId") != self.session]
-        self.send("Page.navigate", {"url": url})
-        self.devtools.wait_event("Page.loadEventFired", self.session)
+        self.asked.clear()
+        self.failed.clear()
+        self.page.goto(url)  # returns once the page's load event fired
         self.evaluate(PROBE_JS)
         self.evaluate(f"__minitp.settle({(PAGE_TIMEOUT_S - 10) * 1000})")
 
     def evaluate(self, expression: str):
-        result = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
-                                                "returnByValue": True})
-        if "exceptionDetails" in result:
-            details = result["exceptionDetails"]
-            text = details.get("exception", {}).get("description") or details.get("text")
-            raise RuntimeError(f"JavaScript failed on the page: {text}")
-        return result.get("result", {}).get("value")
+        """The value of a JavaScript expression on the page (a promise is awaited)."""
+        return self.page.evaluate(expression)
 
     def screenshot(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
-        path.write_bytes(base64.b64decode(data))
+        self.page.screenshot(path=path)  # what the screen shows, in device pixels
         return path
-
-    def requests(self) -> tuple[list[str], list[str]]:
-        """(every URL the page asked for, the site's files that failed or came back as errors)."""
-        asked, failed, urls = [], [], {}
-        for event in self.devtools.events:
-            if event.get("sessionId") != self.session:
-                continue
-            params = event.get("params", {})
-            if event["method"] == "Network.requestWillBeSent":
-                urls[params["requestId"]] = params["request"]["url"]
-                asked.append(params["request"]["url"])
-            elif event["method"] == "Network.responseReceived" and params["response"]["status"] >= 400:
-                failed.append(f"{params['response']['url']} ({params['response']['status']})")
-            elif event["method"] == "Network.loadingFailed" and not params.get("canceled"):
-                failed.append(f"{urls.get(params['requestId'], '?')} ({params.get('errorText')})")
-        return asked, failed
 
 
 # Installed in each page as window.__minitp; each function returns plain JSON for the checks.
@@ -650,9 +549,11 @@ def _static_outside(site_dir: Path, page: Path, html: str, seen_css: dict[Path, 
 
 
 def check_page(
-    tab: Tab, base_url: str, site_dir: Path, page: Path, screenshots: Path, notebook: Path | None,
-    fold_screenshots: bool = False, seen_css: dict | None = None,
+    tab: Tab, phone_tab: Tab, base_url: str, site_dir: Path, page: Path, screenshots: Path,
+    notebook: Path | None, fold_screenshots: bool = False, seen_css: dict | None = None,
 ) -> PageReport:
+    """Check one page: in ``tab`` on a desktop, then narrowed to a small tablet, and in
+    ``phone_tab`` on a phone."""
     start = time.perf_counter()
     relative = page.relative_to(site_dir).as_posix()
     name = page.parent.name if page.parent != site_dir else "index"
@@ -721,34 +622,38 @@ def check_page(
         report.fold_screenshots.append(shot)
         _check_screenshot(report, shot)
 
-    # --- on a small tablet, then on a phone --------------------------------------------------------
+    # --- on a small tablet (the same tab, narrowed), then on a phone (a tab that is one) ----------
     tab.viewport(*TABLET)
     tab.evaluate("__minitp.settle(5000)")
     _layout_problems(report, tab.evaluate("__minitp.phone()"), gutter=False)
-    tab.viewport(*PHONE, phone=True)
-    tab.evaluate("__minitp.settle(5000)")
-    report.phone = tab.evaluate("__minitp.phone()")
+    phone_tab.open(url)
+    phone_tab.evaluate("__minitp.folds()")  # answers open, as on the desktop: their layout counts
+    phone_tab.evaluate("__minitp.settle(5000)")
+    report.phone = phone_tab.evaluate("__minitp.phone()")
     _layout_problems(report, report.phone, gutter=True)
-    tab.evaluate("__minitp.show(null)")
-    shot = tab.screenshot(screenshots / f"{name}-{PHONE[0]}px.png")
+    phone_tab.evaluate("__minitp.show(null)")
+    shot = phone_tab.screenshot(screenshots / f"{name}-{PHONE[0]}px.png")
     shots.append(shot)
     _check_screenshot(report, shot)
-    if report.figures_in_page and tab.evaluate("__minitp.show('.jp-OutputArea-output img, .md-content img')"):
-        shots.append(tab.screenshot(screenshots / f"{name}-first-figure-{PHONE[0]}px.png"))
-    if report.twins and tab.evaluate("__minitp.show('.minitp-explore')"):
-        shots.append(tab.screenshot(screenshots / f"{name}-first-control-{PHONE[0]}px.png"))
-    if fold_screenshots and report.folds_in_page and tab.evaluate("__minitp.show('details.minitp-answer')"):
-        shot = tab.screenshot(screenshots / f"{name}-first-answer-{PHONE[0]}px.png")
+    first_figure = "__minitp.show('.jp-OutputArea-output img, .md-content img')"
+    if report.figures_in_page and phone_tab.evaluate(first_figure):
+        shots.append(phone_tab.screenshot(screenshots / f"{name}-first-figure-{PHONE[0]}px.png"))
+    if report.twins and phone_tab.evaluate("__minitp.show('.minitp-explore')"):
+        shots.append(phone_tab.screenshot(screenshots / f"{name}-first-control-{PHONE[0]}px.png"))
+    first_answer = "__minitp.show('details.minitp-answer')"
+    if fold_screenshots and report.folds_in_page and phone_tab.evaluate(first_answer):
+        shot = phone_tab.screenshot(screenshots / f"{name}-first-answer-{PHONE[0]}px.png")
         report.fold_screenshots.append(shot)
         _check_screenshot(report, shot)
 
-    asked, failed = tab.requests()
+    asked = tab.asked + phone_tab.asked
     report.requests = len(asked)
     report.outside_requests = sorted({url for url in asked if is_outside(url, base_url)})
     if report.outside_requests:
         problems.append(f"requests outside the site: {', '.join(report.outside_requests[:5])}")
     # outside: reported above; /favicon.ico: asked by the browser itself of a page that names no icon
-    failed = [failure for failure in failed if failure.startswith(base_url) and "/favicon.ico " not in failure]
+    failed = [failure for failure in tab.failed + phone_tab.failed
+              if failure.startswith(base_url) and "/favicon.ico " not in failure]
     if failed:
         problems.append(f"files of the site that did not load: {', '.join(failed[:5])}")
     report.seconds = time.perf_counter() - start
@@ -803,16 +708,6 @@ def _check_screenshot(report: PageReport, path: Path) -> None:
         )
 
 
-@contextmanager
-def browser(chromium: str) -> Iterator[Tab]:
-    """One headless Chromium and a tab in it, for the block."""
-    devtools = DevTools(chromium)
-    try:
-        yield Tab(devtools)
-    finally:
-        devtools.close()
-
-
 def check_site(
     site_dir: Path, screenshots: Path, notebook_dir: Path | None = None, chromium: str | None = None,
     fold_screenshots: bool = False,
@@ -831,15 +726,18 @@ def check_site(
         raise FileNotFoundError(f"no built site at {site_dir} (run make site)")
     reports = []
     seen_css: dict = {}
-    with serve(site_dir) as base_url, browser(chromium) as tab:
-        reports.append(check_page(tab, base_url, site_dir, site_dir / "index.html", screenshots, None,
-                                  seen_css=seen_css))
+    with serve(site_dir) as base_url, browser(chromium) as launched:
+        tab = Tab(launched, DESKTOP)
+        phone_tab = Tab(launched, PHONE, phone=True)
+        reports.append(check_page(tab, phone_tab, base_url, site_dir, site_dir / "index.html",
+                                  screenshots, None, seen_css=seen_css))
         for page in chapter_pages(site_dir):
             stem = page.parent.name
             candidates = [Path(notebook_dir) / f"{stem}.ipynb"] if notebook_dir is not None else []
-            found = next((path for path in [*candidates, page.parent / f"{stem}.ipynb"] if path.is_file()), None)
-            reports.append(check_page(tab, base_url, site_dir, page, screenshots, found, fold_screenshots,
-                                      seen_css))
+            candidates.append(page.parent / f"{stem}.ipynb")
+            found = next((path for path in candidates if path.is_file()), None)
+            reports.append(check_page(tab, phone_tab, base_url, site_dir, page, screenshots, found,
+                                      fold_screenshots, seen_css))
     if notebook_dir is not None:
         built = {page.parent.name for page in chapter_pages(site_dir)}
         for notebook in sorted(Path(notebook_dir).glob("[0-9][0-9]_*.ipynb")):

@@ -33,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from playwright.sync_api import Page
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import browser_check  # noqa: E402
@@ -111,7 +113,7 @@ class Lab:
 
 # What the learner sees in an open notebook, once JupyterLab has drawn every cell and the kernel is up.
 READ_JS = r"""
-(async (cells, line, limitMs) => {
+async ([cells, line, limitMs]) => {
   const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
   const deadline = Date.now() + limitMs;
   const notebook = () => document.querySelector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook");
@@ -147,7 +149,7 @@ READ_JS = r"""
     dialogs: [...document.querySelectorAll(".jp-Dialog")].map((d) => d.textContent.trim().slice(0, 120)),
     notices: [...new Set(toasts.map((t) => t.textContent.trim().slice(0, 120)))],
   };
-})
+}
 """
 
 
@@ -171,21 +173,18 @@ def expected_controls(solved: dict) -> int:
     return sum(any(is_live_control(out) for out in cell.get("outputs", [])) for cell in solved["cells"])
 
 
-def check_chapter(tab: browser_check.Tab, lab: Lab, solved: Path, copy: Path, screenshots: Path) -> LabReport:
+def check_chapter(page: Page, lab: Lab, solved: Path, copy: Path, screenshots: Path) -> LabReport:
     """Open the learner copy ``copy`` of the chapter ``solved`` in JupyterLab and read what it shows."""
     from minitp.exercises.student import LIVE_CONTROL_LINE
 
     notebook = json.loads(copy.read_text())
     report = LabReport(chapter=copy.stem, screenshot=screenshots / f"lab-{copy.stem}.png")
     controls = expected_controls(json.loads(solved.read_text()))
-    tab.viewport(1280, 900)
-    tab.devtools.events = [e for e in tab.devtools.events if e.get("sessionId") != tab.session]
-    tab.send("Page.navigate", {"url": f"{lab.base}/lab/tree/{copy.name}"})
-    tab.devtools.wait_event("Page.loadEventFired", tab.session)
-    seen = tab.evaluate(f"({READ_JS})({len(notebook['cells'])}, {json.dumps(LIVE_CONTROL_LINE)}, "
-                        f"{SETTLE_TIMEOUT_S * 1000})")
+    page.goto(f"{lab.base}/lab/tree/{copy.name}")  # returns once the page's load event fired
+    cells = len(notebook["cells"])
+    seen = page.evaluate(READ_JS, [cells, LIVE_CONTROL_LINE, SETTLE_TIMEOUT_S * 1000])
     report.seen = seen
-    tab.screenshot(report.screenshot)
+    page.screenshot(path=report.screenshot)
     if not seen.get("drawn"):
         report.problems.append("JupyterLab drew no notebook")
         return report
@@ -228,8 +227,11 @@ def check_lab(chapters: list[str], screenshots: Path, notebook_dir: Path = ROOT 
             copies.append((source, Path(folder) / source.name))
         lab = Lab(Path(folder))
         try:
-            with browser_check.browser(chromium) as tab:
-                return [check_chapter(tab, lab, solved, copy, screenshots) for solved, copy in copies]
+            with browser_check.browser(chromium) as launched:
+                page = launched.new_page(viewport={"width": 1280, "height": 900})
+                page.set_default_timeout(START_TIMEOUT_S * 1000)
+                return [check_chapter(page, lab, solved, copy, screenshots)
+                        for solved, copy in copies]
         finally:
             lab.close()
 
