@@ -35,7 +35,11 @@ def _dtensor_plan(same_messages: bool) -> tuple[dict, dict]:
     import inspect
 
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
 
     from minitp.models.llama import Attention
 

@@ -15,7 +15,14 @@ from test_chapter_numbers import NOTEBOOKS, prose
 from minitp import cost
 from minitp.exercises import ch08
 from minitp.models import TINY
-from minitp.models.moe import MIXTRAL_8X7B, MoEConfig, capacity_mask, load_balancing_loss, moe_config, route
+from minitp.models.moe import (
+    MIXTRAL_8X7B,
+    MoEConfig,
+    capacity_mask,
+    load_balancing_loss,
+    moe_config,
+    route,
+)
 from minitp.runs import run_ep
 
 NOTEBOOK = "08_expert_parallel.ipynb"

@@ -321,3 +321,27 @@ def test_a_strategy_module_imports_without_the_launcher_cost_figures_runners_or_
     lines = [line for line in out if line]
     assert lines[:-1] == [f"{s}: " for s in STRATEGIES]
     assert lines[-1].startswith("plan: ") and "minitp.cost" in lines[-1].removeprefix("plan: ").split(",")
+
+
+# -- lines a reader can read: ruff (E501 at 100 characters in src/minitp) ----------------------------
+def _ruff(*args: str, stdin: str | None = None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=SRC.parent, input=stdin,
+                          capture_output=True, text=True)
+
+
+def test_ruff_is_clean_on_src_tests_benchmarks_and_tools():
+    done = _ruff("check", "src", "tests", "benchmarks", "tools")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_planted_line_over_100_characters_in_src_is_found():
+    line = "x = " + '"' + "a" * 95 + '"\n'  # 101 characters
+    done = _ruff("check", "--select", "E501", "--stdin-filename", "src/minitp/planted.py", "-",
+                 stdin=line)
+    assert done.returncode == 1 and "E501" in done.stdout, done.stdout + done.stderr
+    done = _ruff("check", "--select", "E501", "--stdin-filename", "src/minitp/planted.py", "-",
+                 stdin=line.replace("a", "", 1))
+    assert done.returncode == 0, done.stdout + done.stderr

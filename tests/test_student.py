@@ -16,7 +16,12 @@ import nbformat
 import pytest
 
 from minitp.exercises import ExerciseError, ch00, student
-from minitp.exercises.student import STUB, SolutionMarkerError, strip_solutions, write_student_copies
+from minitp.exercises.student import (
+    STUB,
+    SolutionMarkerError,
+    strip_solutions,
+    write_student_copies,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

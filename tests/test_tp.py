@@ -288,7 +288,11 @@ def test_generation_matches_plain_model_token_for_token(n):
 # -- PyTorch's tensor parallel ---------------------------------------------------------------------------
 def _against_dtensor():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))

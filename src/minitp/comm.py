@@ -1,14 +1,16 @@
 """Every message minitp sends, traced.
 
-Thin wrappers over ``torch.distributed``: each call checks its arguments (a non-tensor, a peer outside
-the group, mixed dtypes: one sentence, before any message), does the collective and appends an ``Event``
-(op, group, bytes, times, label, ...) to the trace recording on this process (``minitp.trace``), so a
-strategy that sends something unexpected shows up. Ranks given (``src``, ``dst``) are global, as in
-``torch.distributed``; ``group=None`` is the world. An event records the mesh dimension its group was
-named with (``name_group``): byte tables and figures split the traffic by it, never by label.
+Thin wrappers over ``torch.distributed``: each call checks its arguments (a non-tensor, a peer
+outside the group, mixed dtypes: one sentence, before any message), does the collective and appends
+an ``Event`` (op, group, bytes, times, label, ...) to the trace recording on this process
+(``minitp.trace``), so a strategy that sends something unexpected shows up. Ranks given (``src``,
+``dst``) are global, as in ``torch.distributed``; ``group=None`` is the world. An event records the
+mesh dimension its group was named with (``name_group``): byte tables and figures split the traffic
+by it, never by label.
 
 Messages whose backward is a message (Megatron's f and g, the sequence-parallel pair, the autograd
-all-to-all) are built on these in ``minitp.regions``; the payload model is ``trace.collective_sent_bytes``.
+all-to-all) are built on these in ``minitp.regions``; the payload model is
+``trace.collective_sent_bytes``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from minitp import trace as _trace
 ReduceOp = dist.ReduceOp
 
 # Facts about a process group, keyed by the group object held weakly: a group made later (the next
-# launch forked from this process, a new world under torchrun) never inherits them, even at one address.
+# launch forked from this process, a new world under torchrun) never inherits them, even at one
+# address.
 _group_ranks_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _group_dims: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -51,9 +54,9 @@ def name_group(group: dist.ProcessGroup | None, dim: str, *, unless_named: bool 
     carries: every message sent through it is recorded with ``Event.dim == dim``.
 
     ``Mesh`` names each group it creates; a strategy names the group it is given with
-    ``unless_named=True`` (a mesh's "dp" group stays "dp" under FSDP). A group other than the world is
-    named once (another name: a ``ValueError``; with ``unless_named`` the first stays); the world takes
-    the latest (DDP, then FSDP, may run on it). On a rank outside ``group`` nothing happens.
+    ``unless_named=True`` (a mesh's "dp" group stays "dp" under FSDP). A group other than the world
+    is named once (another name: a ``ValueError``; with ``unless_named`` the first stays); the world
+    takes the latest (DDP, then FSDP, may run on it). On a rank outside ``group`` nothing happens.
     """
     key = _resolve(group)
     if key is None:
@@ -62,7 +65,8 @@ def name_group(group: dist.ProcessGroup | None, dim: str, *, unless_named: bool 
     if had is None or had == dim or key is dist.group.WORLD:
         _group_dims[key] = dim
     elif not unless_named:
-        raise ValueError(f"process group {group_ranks(key)} is already named {had!r}; it cannot also be named {dim!r}")
+        raise ValueError(f"process group {group_ranks(key)} is already named {had!r}; it cannot "
+                         f"also be named {dim!r}")
 
 
 def group_dim(group: dist.ProcessGroup | None = None) -> str:
@@ -111,7 +115,8 @@ def _record(op: str, tensor: torch.Tensor, nbytes: int, group, label: str, peer:
         rank=dist.get_rank(), kind="comm", op=op, label=tr.label(label), start=start, end=start,
         group=ranks, dim=group_dim(group), peer=peer, shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).replace("torch.", ""), bytes=nbytes,
-        sent_bytes=_trace.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes), **tr.tags(),
+        sent_bytes=_trace.collective_sent_bytes(op, nbytes, len(ranks), position, kept_bytes),
+        **tr.tags(),
     )
     return tr.add(event)
 
@@ -131,22 +136,27 @@ def _check(call: str, group=None, peer: tuple[str, int] | None = None, **tensors
     """Refuse, before any message, what would fail deep inside torch or wait forever."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
-            got = "None (a gradient that was never computed?)" if t is None else f"{type(t).__name__} {t!r:.40}"
+            got = ("None (a gradient that was never computed?)" if t is None
+                   else f"{type(t).__name__} {t!r:.40}")
             raise TypeError(f"comm.{call}: {name} must be a torch.Tensor, got {got}")
     if len({t.dtype for t in tensors.values()}) > 1:
-        raise TypeError(f"comm.{call}: " + " but ".join(f"{k} is {t.dtype}" for k, t in tensors.items())
+        raise TypeError(f"comm.{call}: " + " but ".join(f"{k} is {t.dtype}"
+                                                        for k, t in tensors.items())
                         + "; they must have the same dtype")
     if peer and peer[1] not in group_ranks(group):
-        raise ValueError(f"comm.{call}: {peer[0]}={peer[1]!r} is not a rank of the group; expected one of "
-                         f"{group_ranks(group)} (global ranks)")
+        raise ValueError(
+            f"comm.{call}: {peer[0]}={peer[1]!r} is not a rank of the group; expected one of "
+            f"{group_ranks(group)} (global ranks)")
 
 
 # -- collectives ----------------------------------------------------------------------------------
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13: *_tensor
+# torch < 2.13: *_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, label: str = "", async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, label: str = "",
+               async_op: bool = False):
     """Reduce ``tensor`` over the group, in place; every rank ends with the result."""
     _check("all_reduce", tensor=tensor)
     event = _record("all_reduce", tensor, _nbytes(tensor), group, label)
@@ -154,7 +164,8 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, label: str = "
     return _finish(work, event, async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, label: str = "", async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, label: str = "",
+               async_op: bool = False):
     """Concatenate every rank's ``input`` along dim 0 into ``output`` (n * input rows)."""
     _check("all_gather", output=output, input=input)
     n = group_size(group)
@@ -187,27 +198,34 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, label: str = "", async
     return _finish(work, event, async_op)
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
-               input_split_sizes: list[int] | None = None, group=None, label: str = "", async_op: bool = False):
-    """Rank i's j-th chunk of ``input`` (rows along dim 0) lands as the i-th chunk of rank j's ``output``.
-    Chunks are equal (rows / n) unless the split sizes say how many rows go to (input) and come from
-    (output) each rank of the group, in group order; a size may be 0. Traced as the logical buffer
-    ``input``; the bytes sent leave out the chunk addressed to this rank itself."""
+def all_to_all(output: torch.Tensor, input: torch.Tensor,
+               output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, group=None, label: str = "",
+               async_op: bool = False):
+    """Rank i's j-th chunk of ``input`` (rows along dim 0) lands as the i-th chunk of rank j's
+    ``output``. Chunks are equal (rows / n) unless the split sizes say how many rows go to (input)
+    and come from (output) each rank of the group, in group order; a size may be 0. Traced as the
+    logical buffer ``input``; the bytes sent leave out the chunk addressed to this rank itself."""
     _check("all_to_all", output=output, input=input)
     n, me = group_size(group), group_rank(group)
-    for name, t, sizes in (("input", input, input_split_sizes), ("output", output, output_split_sizes)):
+    for name, t, sizes in (("input", input, input_split_sizes), ("output", output,
+                                                                 output_split_sizes)):
         if sizes is None:
             if t.shape[0] % n:
-                raise ValueError(f"comm.all_to_all: {name} has {t.shape[0]} rows, not divisible by the group's "
-                                 f"{n} ranks; pass {name}_split_sizes for uneven chunks")
+                raise ValueError(
+                    f"comm.all_to_all: {name} has {t.shape[0]} rows, not divisible by the group's "
+                    f"{n} ranks; pass {name}_split_sizes for uneven chunks")
         elif len(sizes) != n or sum(sizes) != t.shape[0] or min(sizes) < 0:
-            raise ValueError(f"comm.all_to_all: {name}_split_sizes {list(sizes)} should be {n} sizes >= 0 "
-                             f"(one per rank of the group) adding up to the {t.shape[0]} rows of {name}")
+            raise ValueError(
+                f"comm.all_to_all: {name}_split_sizes {list(sizes)} should be {n} sizes >= 0 "
+                f"(one per rank of the group) adding up to the {t.shape[0]} rows of {name}")
     row_bytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
     kept_rows = input.shape[0] // n if input_split_sizes is None else input_split_sizes[me]
-    event = _record("all_to_all", input, _nbytes(input), group, label, kept_bytes=kept_rows * row_bytes)
+    event = _record("all_to_all", input, _nbytes(input), group, label,
+                    kept_bytes=kept_rows * row_bytes)
     work = dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+                                  input_split_sizes=input_split_sizes, group=group,
+                                  async_op=async_op)
     return _finish(work, event, async_op)
 
 

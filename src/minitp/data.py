@@ -63,12 +63,13 @@ class Corpus:
 
     def describe(self) -> str:
         mb = lambda n: f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"
-        return (f"{mb(self.train.size + self.val.size)} of Python from {self.files:,} files of {self.source} "
-                f"(train {mb(self.train.size)}, validation {mb(self.val.size)})")
+        return (f"{mb(self.train.size + self.val.size)} of Python from {self.files:,} files of "
+                f"{self.source} (train {mb(self.train.size)}, validation {mb(self.val.size)})")
 
 
 def list_files(root: str | Path) -> list[tuple[str, int, int]]:
-    """(relative posix path, size, mtime_ns) of every ``*.py`` kept under ``root``, sorted by path."""
+    """(relative posix path, size, mtime_ns) of every ``*.py`` kept under ``root``, sorted by
+    path."""
     root = Path(root)
     found = []
     for folder, subfolders, names in os.walk(root):
@@ -77,7 +78,8 @@ def list_files(root: str | Path) -> list[tuple[str, int, int]]:
             if name.endswith(".py"):
                 stat = os.stat(os.path.join(folder, name))
                 if stat.st_size <= MAX_FILE_BYTES:
-                    found.append(((Path(folder) / name).relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns))
+                    found.append(((Path(folder) / name).relative_to(root).as_posix(), stat.st_size,
+                                  stat.st_mtime_ns))
     return sorted(found)
 
 
@@ -87,7 +89,8 @@ def in_validation(path: str, val_percent: int) -> bool:
 
 
 def cache_folder(cache_dir: str | None = None) -> Path:
-    """``cache_dir``, else ``$MINITP_CACHE``, else ``$XDG_CACHE_HOME/minitp``, else ``~/.cache/minitp``."""
+    """``cache_dir``, else ``$MINITP_CACHE``, else ``$XDG_CACHE_HOME/minitp``, else
+    ``~/.cache/minitp``."""
     if cache_dir is None:
         cache_dir = os.environ.get("MINITP_CACHE") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minitp")
@@ -96,11 +99,12 @@ def cache_folder(cache_dir: str | None = None) -> Path:
 
 def load_corpus(root: str | None = None, val_percent: int = 5, cache_dir: str | None = None,
                 max_files: int | None = None, *, verify: bool = False) -> Corpus:
-    """The corpus under ``root`` (default: this Python's standard library), built once then memory-mapped.
+    """The corpus under ``root`` (default: this Python's standard library), built once then
+    memory-mapped.
 
-    ``root`` is a folder of ``.py`` files or a ``.tar.gz`` of them (``COURSE_CORPUS``). ``max_files``
-    keeps the first N files of the sorted list (quick tests); ``verify=True`` re-hashes the cached
-    tokens and rebuilds them if they changed."""
+    ``root`` is a folder of ``.py`` files or a ``.tar.gz`` of them (``COURSE_CORPUS``).
+    ``max_files`` keeps the first N files of the sorted list (quick tests); ``verify=True``
+    re-hashes the cached tokens and rebuilds them if they changed."""
     try:
         return _load_corpus(root, val_percent, cache_dir, max_files, verify)
     except OSError as e:  # most often the cache (or an archive's folder in it) cannot be written
@@ -108,8 +112,9 @@ def load_corpus(root: str | None = None, val_percent: int = 5, cache_dir: str | 
             raise
         cache = cache_folder(cache_dir)
         if str(e.filename).startswith(str(cache)):
-            raise ValueError(f"the corpus cache {cache} cannot be written ({e.strerror}: {e.filename}): set "
-                             f"MINITP_CACHE to a folder you can write") from None
+            raise ValueError(
+                f"the corpus cache {cache} cannot be written ({e.strerror}: {e.filename}): set "
+                f"MINITP_CACHE to a folder you can write") from None
         raise ValueError(f"the corpus could not be read ({e.strerror}: {e.filename})") from None
 
 
@@ -119,28 +124,34 @@ def _load_corpus(root, val_percent, cache_dir, max_files, verify) -> Corpus:
     if root.is_file() and root.name.endswith((".tar.gz", ".tgz")):
         archive, root = root, unpack(root, cache_folder(cache_dir))
     if not root.is_dir():
-        raise FileNotFoundError(f"expected a folder of .py files or a .tar.gz of them, but {str(root)!r} is "
-                                f"{'a file' if root.exists() else 'not there'}")
-    if isinstance(val_percent, bool) or not isinstance(val_percent, int) or not 1 <= val_percent <= 50:
+        raise FileNotFoundError(
+            f"expected a folder of .py files or a .tar.gz of them, but {str(root)!r} is "
+            f"{'a file' if root.exists() else 'not there'}")
+    if isinstance(val_percent, bool) or not isinstance(val_percent,
+                                                       int) or not 1 <= val_percent <= 50:
         raise ValueError(f"val_percent must be an integer from 1 to 50, got {val_percent!r}")
-    if max_files is not None and (isinstance(max_files, bool) or not isinstance(max_files, int) or max_files < 1):
+    if max_files is not None and (isinstance(max_files, bool) or not isinstance(max_files, int)
+                                  or max_files < 1):
         raise ValueError(f"max_files must be a positive integer or None, got {max_files!r}")
     files = list_files(root)[:max_files]
     if not files:
-        raise ValueError(f"expected .py files under {root} (skipping {', '.join(sorted(SKIPPED_FOLDERS))} "
-                         f"and files over {MAX_FILE_BYTES // 1024} KB), found none: the corpus would be empty")
+        raise ValueError(
+            f"expected .py files under {root} (skipping {', '.join(sorted(SKIPPED_FOLDERS))} "
+            f"and files over {MAX_FILE_BYTES // 1024} KB), found none: the corpus would be empty")
     val = [path for path, _, _ in files if in_validation(path, val_percent)]
     train = [path for path, _, _ in files if not in_validation(path, val_percent)]
     if not val or not train:
         empty = "validation" if not val else "train"
-        raise ValueError(f"val_percent={val_percent} leaves {empty} empty: all {len(files)} files of {root} fell "
-                         f"on the other side; use more files (max_files={max_files}) or another val_percent")
+        raise ValueError(f"val_percent={val_percent} leaves {empty} empty: all {len(files)} files "
+                         f"of {root} fell on the other side; use more files "
+                         f"(max_files={max_files}) or another val_percent")
 
     listing = "".join(f"{path}\t{size}\t{mtime}\n" for path, size, mtime in files)
     list_digest = hashlib.sha256(f"{root}\n{listing}".encode()).hexdigest()
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     base = f"corpus-py{version}-{list_digest[:16]}-val{val_percent}"
-    bin_path, json_path = cache_folder(cache_dir) / f"{base}.bin", cache_folder(cache_dir) / f"{base}.json"
+    bin_path = cache_folder(cache_dir) / f"{base}.bin"
+    json_path = cache_folder(cache_dir) / f"{base}.json"
 
     meta = _read_meta(json_path, bin_path, list_digest)
     if meta is not None and verify and _sha256_file(bin_path) != meta["sha256"]:
@@ -149,15 +160,18 @@ def _load_corpus(root, val_percent, cache_dir, max_files, verify) -> Corpus:
         meta = _build(root, train, val, list_digest, bin_path, json_path)
     tokens = np.memmap(bin_path, dtype=np.uint8, mode="r")
     n_train = meta["train_bytes"]
-    return Corpus(train=tokens[:n_train], val=tokens[n_train:], files=len(files), train_files=len(train),
-                  val_files=len(val), source=str(archive or root), digest=meta["sha256"])
+    return Corpus(train=tokens[:n_train], val=tokens[n_train:], files=len(files),
+                  train_files=len(train), val_files=len(val), source=str(archive or root),
+                  digest=meta["sha256"])
 
 
 def unpack(archive: Path, cache: Path) -> Path:
-    """The folder ``archive`` (a .tar.gz of .py files) unpacks into, once: ``<cache>/<name>-<sha256>``.
+    """The folder ``archive`` (a .tar.gz of .py files) unpacks into, once:
+    ``<cache>/<name>-<sha256>``.
 
     Unpacked into a temporary folder and renamed, so two processes unpacking at once both end with
-    one whole folder. Members are plain files with relative paths, checked before anything is written."""
+    one whole folder. Members are plain files with relative paths, checked before anything is
+    written."""
     digest = _sha256_file(archive)[:16]
     folder = cache / f"{archive.name.split('.')[0]}-{digest}"
     if folder.is_dir():
@@ -168,7 +182,8 @@ def unpack(archive: Path, cache: Path) -> Path:
         members = tar.getmembers()
         for member in members:
             if not member.isfile() or member.name.startswith("/") or ".." in member.name.split("/"):
-                raise ValueError(f"{archive}: expected plain files with relative paths, found {member.name!r}")
+                raise ValueError(
+                    f"{archive}: expected plain files with relative paths, found {member.name!r}")
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.11.4
         tar.extractall(tmp, members=members, **safe)
     try:
@@ -179,7 +194,8 @@ def unpack(archive: Path, cache: Path) -> Path:
 
 
 def _read_meta(json_path: Path, bin_path: Path, list_digest: str) -> dict | None:
-    """The cache's JSON when it describes this file list and the token file has its size, else None."""
+    """The cache's JSON when it describes this file list and the token file has its size, else
+    None."""
     try:
         meta = json.loads(json_path.read_text())
         ok = (meta["format"] == FORMAT and meta["list_digest"] == list_digest
@@ -189,7 +205,8 @@ def _read_meta(json_path: Path, bin_path: Path, list_digest: str) -> dict | None
     return meta if ok else None
 
 
-def _build(root: Path, train: list[str], val: list[str], list_digest: str, bin_path: Path, json_path: Path) -> dict:
+def _build(root: Path, train: list[str], val: list[str], list_digest: str, bin_path: Path,
+           json_path: Path) -> dict:
     parts = {name: b"".join((root / path).read_bytes() + SEPARATOR for path in paths)
              for name, paths in (("train", train), ("val", val))}
     tokens = parts["train"] + parts["val"]
@@ -197,13 +214,15 @@ def _build(root: Path, train: list[str], val: list[str], list_digest: str, bin_p
             "train_bytes": len(parts["train"]), "val_bytes": len(parts["val"]),
             "sha256": hashlib.sha256(tokens).hexdigest(), "train_files": train, "val_files": val}
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(bin_path, tokens)  # the tokens first: a JSON on disk always describes a whole token file
+    # the tokens first: a JSON on disk always describes a whole token file
+    _write_atomic(bin_path, tokens)
     _write_atomic(json_path, json.dumps(meta, indent=1).encode())
     return meta
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # unique per rank and host
+    # unique per rank and host
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -232,28 +251,33 @@ class Sampler:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
         if seq_len + 1 > len(data):
-            raise ValueError(f"seq_len={seq_len} needs {seq_len + 1} tokens per row (inputs and the next token), "
-                             f"but the data holds only {len(data)}")
+            raise ValueError(f"seq_len={seq_len} needs {seq_len + 1} tokens per row (inputs and "
+                             f"the next token), but the data holds only {len(data)}")
         self.data, self.batch_size, self.seq_len, self.seed = data, batch_size, seq_len, seed
 
     def _starts(self, step: int) -> np.ndarray:
         if step < 0:
             raise ValueError(f"step must be 0 or more, got {step}")
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % 2**63)
-        starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,), generator=generator)
+        starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,),
+                               generator=generator)
         return starts.numpy()  # (B,)
 
     def _rows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = np.asarray(self.data[starts[:, None] + np.arange(self.seq_len + 1)], dtype=np.int64)  # (b, S+1)
+        # (b, S+1)
+        windows = np.asarray(self.data[starts[:, None] + np.arange(self.seq_len + 1)],
+                             dtype=np.int64)
         windows = torch.from_numpy(windows)
-        return windows[:, :-1], windows[:, 1:]  # tokens (b, S), targets (b, S): the next token of each
+        # tokens (b, S), targets (b, S): the next token of each
+        return windows[:, :-1], windows[:, 1:]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of ``step``: (tokens, targets), both long (batch_size, seq_len)."""
         return self._rows(self._starts(step))
 
     def rank_batch(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [dp_rank*B/dp, (dp_rank+1)*B/dp) of ``batch(step)``: disjoint across data-parallel ranks."""
+        """Rows [dp_rank*B/dp, (dp_rank+1)*B/dp) of ``batch(step)``: disjoint across data-parallel
+        ranks."""
         if dp < 1 or self.batch_size % dp:
             raise ValueError(f"batch_size={self.batch_size} is not divisible by dp={dp}")
         if not 0 <= dp_rank < dp:
@@ -265,18 +289,22 @@ class Sampler:
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:
     """Refuse a sequence longer than the model's positions, before any step runs."""
     if seq_len > max_seq_len:
-        raise ValueError(f"sequence length {seq_len} is longer than the model allows (max_seq_len={max_seq_len})")
+        raise ValueError(f"sequence length {seq_len} is longer than the model allows "
+                         f"(max_seq_len={max_seq_len})")
 
 
 def encode(text: str) -> torch.Tensor:
-    """UTF-8 bytes of ``text`` as a long tensor of tokens. Bytes that are not UTF-8 (a command line's
-    argument in another encoding reaches Python as surrogates) become themselves: a byte model reads any."""
+    """UTF-8 bytes of ``text`` as a long tensor of tokens. Bytes that are not UTF-8 (a command
+    line's argument in another encoding reaches Python as surrogates) become themselves: a byte
+    model reads any."""
     return torch.tensor(list(text.encode("utf-8", errors="surrogateescape")), dtype=torch.long)
 
 
 def decode(tokens) -> str:
     """Tokens (tensor, array or list of 0..255) back to text; broken UTF-8 becomes U+FFFD."""
-    values = (tokens.reshape(-1) if isinstance(tokens, torch.Tensor) else np.asarray(tokens).reshape(-1)).tolist()
+    values = (tokens.reshape(-1) if isinstance(tokens, torch.Tensor)
+              else np.asarray(tokens).reshape(-1)).tolist()
     if any(not 0 <= v < VOCAB_SIZE for v in values):
-        raise ValueError(f"tokens must be bytes 0..{VOCAB_SIZE - 1}, got {min(values)}..{max(values)}")
+        raise ValueError(
+            f"tokens must be bytes 0..{VOCAB_SIZE - 1}, got {min(values)}..{max(values)}")
     return bytes(values).decode("utf-8", errors="replace")

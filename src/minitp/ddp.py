@@ -50,9 +50,11 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # flat: the gradients of ``params`` side by side
     views: list[torch.Tensor]  # each parameter's slice of ``buffer``, shaped like the parameter
-    arrived: set[int] = field(default_factory=set)  # positions of the params whose hook ran this pass
+    # positions of the params whose hook ran this pass
+    arrived: set[int] = field(default_factory=set)
     handle: comm.Handle | None = field(default=None, repr=False)
-    unused_here: list[int] = field(default_factory=list)  # positions of the params this rank did not use
+    # positions of the params this rank did not use
+    unused_here: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +78,8 @@ class DistributedDataParallel(GradientSync, nn.Module):
     bucket_mb: bucket size in MiB (2**20 bytes).
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None,
+                 bucket_mb: float = 25.0):
         super().__init__()
         if not bucket_mb or bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -94,8 +97,10 @@ class DistributedDataParallel(GradientSync, nn.Module):
         self.buckets: list[Bucket] = []
         for i, group_params in enumerate(make_buckets(params[::-1], self.bucket_bytes)):
             sizes = [p.numel() for p in group_params]
-            buffer = torch.zeros(sum(sizes), dtype=group_params[0].dtype, device=group_params[0].device)
-            views = [v.view_as(p) for v, p in zip(buffer.split(sizes), group_params)]  # side by side
+            buffer = torch.zeros(sum(sizes), dtype=group_params[0].dtype,
+                                 device=group_params[0].device)
+            # side by side
+            views = [v.view_as(p) for v, p in zip(buffer.split(sizes), group_params)]
             self.buckets.append(Bucket(i, group_params, buffer, views))
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._zero, self._share = torch.zeros((), dtype=params[0].dtype), 1.0 / self.world_size
@@ -112,7 +117,8 @@ class DistributedDataParallel(GradientSync, nn.Module):
         """Make every replica start from the first rank's weights: one flat broadcast."""
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         with _trace.tagged(phase="init"):
-            comm.broadcast(flat, src=comm.group_ranks(self.group)[0], group=self.group, label="ddp/init")
+            comm.broadcast(flat, src=comm.group_ranks(self.group)[0], group=self.group,
+                           label="ddp/init")
         offset = 0
         for p in params:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -157,20 +163,23 @@ class DistributedDataParallel(GradientSync, nn.Module):
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Launch what is left, wait for every bucket: at the end of backward, or at once after
-        backward passes under ``no_sync`` (a pipeline's micro-batches), sending the accumulated sum."""
+        backward passes under ``no_sync`` (a pipeline's micro-batches), sending the accumulated
+        sum."""
         while self._next_bucket < len(self.buckets):  # buckets holding unused parameters
             self._launch(self.buckets[self._next_bucket])
         for bucket in self.buckets:
             bucket.handle.wait()
-            for i in bucket.unused_here:  # a parameter used here is used: only these can be unused by all
+            # a parameter used here is used: only these can be unused by all
+            for i in bucket.unused_here:
                 p, averaged = bucket.params[i], bucket.views[i]
-                p.grad = None if used_by_no_rank(averaged) else averaged  # (used elsewhere: the average)
+                # (used elsewhere: the average)
+                p.grad = None if used_by_no_rank(averaged) else averaged
             bucket.handle = None
             bucket.arrived.clear()
         self._next_bucket = 0
 
 
-# -- the data side -------------------------------------------------------------------------------------
+# -- the data side ---------------------------------------------------------------------------------
 def split_batch(batch: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's contiguous slice of a global batch (dim 0).
 
@@ -180,8 +189,9 @@ def split_batch(batch: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     """
     n, r = comm.group_size(group), comm.group_rank(group)
     if batch.shape[0] % n:
-        raise ValueError(f"a batch of {batch.shape[0]} rows is not divisible by the {n} ranks of the "
-                         f"data-parallel group; use a batch size that is a multiple of {n}")
+        raise ValueError(
+            f"a batch of {batch.shape[0]} rows is not divisible by the {n} ranks of the "
+            f"data-parallel group; use a batch size that is a multiple of {n}")
     rows = batch.shape[0] // n
     return batch[r * rows:(r + 1) * rows]
 
@@ -193,12 +203,13 @@ class DistributedSampler:
     ``len(dataset)`` must divide by the number of ranks (see ``split_batch`` for why).
     """
 
-    def __init__(self, dataset_size: int, group: dist.ProcessGroup | None = None, shuffle: bool = True,
-                 seed: int = 0):
+    def __init__(self, dataset_size: int, group: dist.ProcessGroup | None = None,
+                 shuffle: bool = True, seed: int = 0):
         self.n, self.rank = comm.group_size(group), comm.group_rank(group)
         if dataset_size % self.n:
-            raise ValueError(f"a dataset of {dataset_size} samples is not divisible by the {self.n} "
-                             f"ranks of the data-parallel group")
+            raise ValueError(
+                f"a dataset of {dataset_size} samples is not divisible by the {self.n} "
+                f"ranks of the data-parallel group")
         self.dataset_size, self.shuffle, self.seed, self.epoch = dataset_size, shuffle, seed, 0
 
     def set_epoch(self, epoch: int) -> None:

@@ -5,10 +5,11 @@ everything else (embedding, attention, norms, routers, output) is replicated and
 the same ranks, as frameworks do. One MoE layer, forward, on each rank:
 
 1. **route** its own tokens (the router is replicated): each token picks k experts; capacity drops
-   what does not fit (``minitp.models.moe``: per sequence, so the same tokens drop as on one process);
+   what does not fit (``minitp.models.moe``: per sequence, so the same tokens drop as on one
+   process);
 2. **dispatch**: sort its kept assignments by expert, hence by the rank holding it, and send each
-   rank its rows with one ``all_to_all`` (uneven chunks). A first, small all-to-all of the counts per
-   expert tells every rank how many rows it will receive and for which of its experts;
+   rank its rows with one ``all_to_all`` (uneven chunks). A first, small all-to-all of the counts
+   per expert tells every rank how many rows it will receive and for which of its experts;
 3. run each local expert once on every row it received, from every rank;
 4. **combine**: send each output back where its token came from (the same all-to-all reversed) and
    add each token's k outputs weighted by its gates.
@@ -16,7 +17,8 @@ the same ranks, as frameworks do. One MoE layer, forward, on each rank:
 Backward is the transpose: autograd sends the gradients of the combine's rows to the experts and
 those of the dispatch's rows back (two all-to-alls with the split sizes swapped). After backward the
 replicated parameters' gradients are averaged over the group (one all-reduce), and each expert's
-gradient, which already sums every rank's tokens, is divided by n: the loss is the mean of the ranks'.
+gradient, which already sums every rank's tokens, is divided by n: the loss is the mean of the
+ranks'.
 
 Reading order: which experts a rank holds, dispatch order, ``ExpertParallelFeedForward`` (route,
 dispatch, run, combine), ``ExpertParallel`` (the layers swapped in, the gradients averaged: the
@@ -38,7 +40,8 @@ from minitp.replicas import GradientSync, all_reduce_mean, used_by_no_rank
 def experts_of_rank(n_experts: int, ep: int, rank: int) -> range:
     """The experts rank ``rank`` of ``ep`` holds: a contiguous E/ep of them."""
     if n_experts % ep:
-        raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every rank holds E/ep experts")
+        raise ValueError(
+            f"n_experts={n_experts} is not divisible by ep={ep}: every rank holds E/ep experts")
     per = n_experts // ep
     return range(rank * per, (rank + 1) * per)
 
@@ -52,9 +55,11 @@ def dispatch_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     return order, torch.bincount(expert[order], minlength=routing.n_experts)
 
 
-class ExpertParallelFeedForward(RoutedFeedForward):  # its route(): the one-process routing, the same tokens dropped
-    """A ``MoEFeedForward`` whose experts are split over ``group``: this rank keeps the router and its
-    E/n experts (under their own names, ``experts.5.w1``...), and swaps tokens with the others."""
+# its route(): the one-process routing, the same tokens dropped
+class ExpertParallelFeedForward(RoutedFeedForward):
+    """A ``MoEFeedForward`` whose experts are split over ``group``: this rank keeps the router and
+    its E/n experts (under their own names, ``experts.5.w1``...), and swaps tokens with the
+    others."""
 
     def __init__(self, moe: MoEFeedForward, group=None, name: str = "moe"):
         super().__init__()
@@ -72,32 +77,42 @@ class ExpertParallelFeedForward(RoutedFeedForward):  # its route(): the one-proc
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         n, k, per = self.world_size, self.top_k, self.n_experts // self.world_size
-        routing = self.route(x)  # remembers the routing, the auxiliary loss and the load, as on one process
+        # remembers the routing, the auxiliary loss and the load, as on one process
+        routing = self.route(x)
         order, counts = dispatch_order(routing)  # (A,), (E,)
 
         # dispatch: first the counts (rank j gets this rank's counts for its experts), then the rows
-        incoming = torch.empty_like(counts)  # (E,) as (n, E/n): from rank i, rows for each local expert
+        # (E,) as (n, E/n): from rank i, rows for each local expert
+        incoming = torch.empty_like(counts)
         comm.all_to_all(incoming, counts, group=self.group, label=f"{self.name}/dispatch.counts")
         incoming = incoming.view(n, per)
         send_splits = counts.view(n, per).sum(1).tolist()  # rows to each rank
         recv_splits = incoming.sum(1).tolist()  # rows from each rank
-        rows = x.reshape(B * S, D)[order // k]  # (A, D) the token of each assignment, grouped by expert
-        received = all_to_all_rows(rows, recv_splits, send_splits, self.group, f"{self.name}/dispatch")
+        # (A, D) the token of each assignment, grouped by expert
+        rows = x.reshape(B * S, D)[order // k]
+        received = all_to_all_rows(rows, recv_splits, send_splits, self.group,
+                                   f"{self.name}/dispatch")
 
-        # each local expert once, on its rows from every rank: regroup (source, expert) -> (expert, source)
-        starts = torch.cat([incoming.new_zeros(1), incoming.reshape(-1).cumsum(0)[:-1]]).view(n, per)
+        # each local expert once, on its rows from every rank: regroup (source, expert) -> (expert,
+        # source)
+        starts = torch.cat([incoming.new_zeros(1),
+                            incoming.reshape(-1).cumsum(0)[:-1]]).view(n, per)
         outputs = []
         for j, e in enumerate(self.local):
             mine = torch.cat([torch.arange(s, s + c, device=x.device)
                               for s, c in zip(starts[:, j].tolist(), incoming[:, j].tolist())]
-                             + [torch.arange(0, device=x.device)])  # its rows from every source rank
+                             # its rows from every source rank
+                             + [torch.arange(0, device=x.device)])
             chunk = received[mine]  # (rows for expert e, D)
             outputs.append((mine, self.experts[str(e)](chunk) if len(mine) else chunk))
         where = torch.cat([m for m, _ in outputs])
-        done = received.new_zeros(received.shape).index_copy(0, where, torch.cat([o for _, o in outputs]))
+        done = received.new_zeros(received.shape).index_copy(0, where,
+                                                             torch.cat([o for _, o in outputs]))
 
-        # combine: every output back to the rank of its token, then each token's k outputs by their gates
-        back = all_to_all_rows(done, send_splits, recv_splits, self.group, f"{self.name}/combine")  # (A, D)
+        # combine: every output back to the rank of its token, then each token's k outputs by their
+        # gates
+        # (A, D)
+        back = all_to_all_rows(done, send_splits, recv_splits, self.group, f"{self.name}/combine")
         slots = x.new_zeros(B * S * k, D).index_copy(0, order, back)
         return combine(slots.view(B, S, k, D), routing)
 
@@ -113,7 +128,8 @@ class ExpertParallel(GradientSync, nn.Module):
     expert_dp_group: the dp/ep ranks holding the same experts as this one, one in each ep group
     (needed when dp_group is larger than ``group``). Each rank's loss is the mean over its own
     sequences and the global loss their mean over the dp ranks, so an expert's gradient, which holds
-    the contributions of every token its ep group sent it, is summed over its copies and divided by dp.
+    the contributions of every token its ep group sent it, is summed over its copies and divided by
+    dp.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, dp_group=None,
@@ -127,18 +143,20 @@ class ExpertParallel(GradientSync, nn.Module):
         if dp_group is not None:  # its own group object: its bytes count as "dp"
             ep_ranks, dp_ranks = comm.group_ranks(group), comm.group_ranks(dp_group)
             if not set(ep_ranks) <= set(dp_ranks):
-                raise ValueError(f"dp_group {dp_ranks} must hold the ep group's ranks {ep_ranks}: the replicated "
-                                 "parameters are data parallel over them")
+                raise ValueError(f"dp_group {dp_ranks} must hold the ep group's ranks {ep_ranks}: "
+                                 "the replicated parameters are data parallel over them")
             copies = len(dp_ranks) // len(ep_ranks)
             have = 1 if expert_dp_group is None else comm.group_size(expert_dp_group)
             if len(dp_ranks) % len(ep_ranks) or have != copies:
-                raise ValueError(f"dp_group has {len(dp_ranks)} ranks and the ep group {len(ep_ranks)}: expected "
-                                 f"an expert_dp_group of dp/ep = {len(dp_ranks) / len(ep_ranks):g} ranks, got {have}")
+                raise ValueError(f"dp_group has {len(dp_ranks)} ranks and the ep group "
+                                 f"{len(ep_ranks)}: expected an expert_dp_group of dp/ep = "
+                                 f"{len(dp_ranks) / len(ep_ranks):g} ranks, got {have}")
             comm.name_group(dp_group, "dp", unless_named=True)
         self.dp_size = comm.group_size(self.dp_group)
         for i, block in model.layers.named_children():  # "0", "1"...; a pipeline stage's own blocks
             if isinstance(block.feed_forward, MoEFeedForward):
-                block.feed_forward = ExpertParallelFeedForward(block.feed_forward, group, f"ep/layers.{i}")
+                block.feed_forward = ExpertParallelFeedForward(block.feed_forward, group,
+                                                               f"ep/layers.{i}")
         self.expert_params = [p for layer in moe_layers(model) for p in layer.experts.parameters()]
         ids = {id(p) for p in self.expert_params}
         self.replicated_params = [p for p in model.parameters() if id(p) not in ids]
@@ -151,17 +169,20 @@ class ExpertParallel(GradientSync, nn.Module):
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Average the replicated gradients over dp (one flat all-reduce); the experts' over their
-        copies (one flat all-reduce over expert_dp_group, every expert in it, when there are copies),
-        or divide them."""
+        copies (one flat all-reduce over expert_dp_group, every expert in it, when there are
+        copies), or divide them."""
         grads = [p.grad for p in self.replicated_params]
         if any(g is None for g in grads):
             missing = [i for i, g in enumerate(grads) if g is None]
-            raise RuntimeError(f"replicated parameters {missing[:5]} got no gradient; every rank must use them")
+            raise RuntimeError(
+                f"replicated parameters {missing[:5]} got no gradient; every rank must use them")
         all_reduce_mean(grads, self.dp_group, self.dp_size, "ep/replicated_grads")
         if self.expert_dp_group is not None and comm.group_size(self.expert_dp_group) > 1:
             # every copy sends every expert's slot, so the copies' buffers line up whichever experts
-            # got tokens where; an expert no copy's tokens reached keeps grad None, as on one process
-            all_reduce_mean_of_used(self.expert_params, self.expert_dp_group, self.dp_size, "ep/expert_grads")
+            # got tokens where; an expert no copy's tokens reached keeps grad None, as on one
+            # process
+            all_reduce_mean_of_used(self.expert_params, self.expert_dp_group, self.dp_size,
+                                    "ep/expert_grads")
         else:  # the only copy: an expert with no gradient got no token from any rank
             for p in self.expert_params:
                 if p.grad is not None:
@@ -169,7 +190,8 @@ class ExpertParallel(GradientSync, nn.Module):
 
 
 @torch.no_grad()
-def all_reduce_mean_of_used(params: list[torch.nn.Parameter], group, divide_by: int, label: str) -> None:
+def all_reduce_mean_of_used(params: list[torch.nn.Parameter], group, divide_by: int,
+                            label: str) -> None:
     """``all_reduce_mean`` of the gradients of ``params`` when a rank may not have used some of them
     (``grad`` None here): every rank sends a slot for every parameter, so the ranks' buffers line up
     whatever each used. A parameter this rank did not use sends -0.0, one it used never does (+0.0
@@ -177,7 +199,8 @@ def all_reduce_mean_of_used(params: list[torch.nn.Parameter], group, divide_by: 
     as on one process; one used elsewhere gets the average, this rank counting as zeros."""
     if not params:
         return
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                       device=params[0].device)
     views, offset = [], 0
     for p in params:
         view = flat[offset:offset + p.numel()].view_as(p)
@@ -191,7 +214,8 @@ def all_reduce_mean_of_used(params: list[torch.nn.Parameter], group, divide_by: 
     for p, averaged in zip(params, views):
         if p.grad is not None:
             p.grad.copy_(averaged)
-        elif not used_by_no_rank(averaged):  # used on another rank: the average, in a tensor of its own
+        # used on another rank: the average, in a tensor of its own
+        elif not used_by_no_rank(averaged):
             p.grad = averaged.clone()
 
 
@@ -204,7 +228,8 @@ def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_state(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Every rank's state put together: the replicated parameters from rank 0, each expert from its rank."""
+    """Every rank's state put together: the replicated parameters from rank 0, each expert from its
+    rank."""
     full = dict(states[0])
     for s in states[1:]:
         full.update({k: v for k, v in s.items() if ".experts." in k})

@@ -44,9 +44,9 @@ own code runs unchanged.
 
 Reading order, ZeRO-3 first: units and shards (``__init__``, ``_make_unit``; the layout is
 ``minitp.fsdp_units``), the views, gather and free (``_unshard``, ``_reshard``), forward and its
-hooks, the reduce-scatter in backward (``_reduce_gradient``), ``finish_gradients`` (the data-parallel
-protocol of ``minitp.replicas``), the optimizer step. The extras branch where they apply and are
-named there: ZeRO-1/2 (``zero < 3``), bf16 (``self.mixed``), prefetch, recomputation
+hooks, the reduce-scatter in backward (``_reduce_gradient``), ``finish_gradients`` (the
+data-parallel protocol of ``minitp.replicas``), the optimizer step. The extras branch where they
+apply and are named there: ZeRO-1/2 (``zero < 3``), bf16 (``self.mixed``), prefetch, recomputation
 (``checkpoint``), a parameter no rank used (``unit.used``, -0.0); checking and saving come last.
 """
 
@@ -62,7 +62,8 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from minitp import comm, fsdp_units
 from minitp import trace as _trace
-from minitp.fsdp_units import LocalPiece, Unit, UnitPlan, WrapPolicy, plan_units, unit_numels, wrap_blocks  # noqa: F401
+from minitp.fsdp_units import LocalPiece, Unit, UnitPlan, WrapPolicy, plan_units, wrap_blocks
+from minitp.fsdp_units import unit_numels as unit_numels  # re-exported: fsdp.unit_numels
 from minitp.layout import padded_numel, shard_range
 from minitp.replicas import GradientSync, used_by_no_rank
 
@@ -88,18 +89,22 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, zero: int = 3,
-                 wrap: WrapPolicy = wrap_blocks, reshard_after_forward: bool = True, prefetch: bool = True,
-                 mixed_precision: torch.dtype | None = None, checkpoint: bool = False):
+                 wrap: WrapPolicy = wrap_blocks, reshard_after_forward: bool = True,
+                 prefetch: bool = True, mixed_precision: torch.dtype | None = None,
+                 checkpoint: bool = False):
         super().__init__()
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3, got {zero!r}")
         if mixed_precision not in (None, torch.float32, torch.bfloat16):
-            raise ValueError(f"unsupported dtype: mixed_precision={mixed_precision}, expected None or "
-                             "torch.bfloat16 (float16 would need loss scaling, which minitp does not do)")
+            raise ValueError(
+                f"unsupported dtype: mixed_precision={mixed_precision}, expected None or "
+                "torch.bfloat16 (float16 would need loss scaling, which minitp does not do)")
         self.module, self.group, self.zero = module, group, zero
-        comm.name_group(group, "fsdp", unless_named=True)  # its messages' Event.dim (a mesh's group keeps "dp")
+        # its messages' Event.dim (a mesh's group keeps "dp")
+        comm.name_group(group, "fsdp", unless_named=True)
         self.world_size, self.rank = comm.group_size(group), comm.group_rank(group)
-        self.reshard_after_forward, self.prefetch, self.checkpoint = reshard_after_forward, prefetch, checkpoint
+        self.reshard_after_forward, self.prefetch, self.checkpoint = (reshard_after_forward,
+                                                                      prefetch, checkpoint)
         self.compute_dtype = mixed_precision or torch.float32
         self.mixed = self.compute_dtype != torch.float32
         self.param_names = [name for name, _ in module.named_parameters()]
@@ -114,7 +119,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter is still running
         self._kept: list = []  # during an optimizer step: (unit, part, values, moments) to put back
         for unit in self.units:
-            unit.full.register_post_accumulate_grad_hook(functools.partial(self._reduce_gradient, unit))
+            unit.full.register_post_accumulate_grad_hook(
+                functools.partial(self._reduce_gradient, unit))
             if unit is self.root:
                 continue
             module_ = unit.plan.module
@@ -124,7 +130,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
     @torch.no_grad()
     def _make_unit(self, plan: UnitPlan) -> Unit:
         n, r = self.world_size, self.rank
-        padded, mine = padded_numel(plan.numel, n), shard_range(plan.numel, n, r)  # P, this rank's P/n
+        # P, this rank's P/n
+        padded, mine = padded_numel(plan.numel, n), shard_range(plan.numel, n, r)
         flat = torch.zeros(padded, dtype=torch.float32, device=_device_of(plan))  # (P,)
         for slot in plan.slots:
             flat[slot.offset:slot.offset + slot.numel] = getattr(slot.owner, slot.attr).reshape(-1)
@@ -157,7 +164,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
             view = piece.view(slot.shape)
             if view.requires_grad:
                 view.register_hook(functools.partial(_mark_used, unit.used, i))
-            slot.owner.register_buffer(slot.attr, view, persistent=False)  # in the parameter's place
+            # in the parameter's place
+            slot.owner.register_buffer(slot.attr, view, persistent=False)
 
     def _unshard(self, unit: Unit, phase: str, async_op: bool = False) -> None:
         """Make ``unit.full`` hold the parameters: all-gather every rank's shard into it."""
@@ -196,18 +204,21 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.checkpoint:  # each block recomputes in backward; the hooks stay outside (TransformerBlock.forward)
+        # each block recomputes in backward; the hooks stay outside (TransformerBlock.forward)
+        if self.checkpoint:
             kwargs["recompute"] = functools.partial(_checkpoint, use_reentrant=False)
         if torch.is_grad_enabled() and self.optimizer is None:
-            raise RuntimeError("no optimizer attached: use optimizer = fsdp.attach(torch.optim.AdamW("
-                               "fsdp.parameters(), ...)) before training; its step hooks finish each step")
+            raise RuntimeError(
+                "no optimizer attached: use optimizer = fsdp.attach(torch.optim.AdamW("
+                "fsdp.parameters(), ...)) before training; its step hooks finish each step")
         if self.root is not None:
             self._unshard(self.root, "forward")
             self._set_views(self.root)
             self._prefetch(self.root, +1, "forward")
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad: self.queue_finish())  # finish_gradients when backward is over
+            # finish_gradients when backward is over
+            out.register_hook(lambda grad: self.queue_finish())
         else:  # no backward will come to free them
             for unit in self.units:
                 self._reshard(unit)
@@ -251,14 +262,16 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         grad, full.grad = full.grad, None  # (P,) compute dtype: this rank's local gradient
         if self._in_flight is not None:
             self._finish_reduce(self._in_flight)
-        send = grad.float() if self.mixed else grad  # (P,) fp32: the sum over ranks is taken in fp32
+        # (P,) fp32: the sum over ranks is taken in fp32
+        send = grad.float() if self.mixed else grad
         for slot, used in zip(unit.plan.slots, unit.used):
             if not used:  # -0.0: "this rank did not use it" (see the top)
                 send[slot.offset:slot.offset + slot.numel] = -0.0
         send.div_(self.world_size)  # the mean over ranks = the gradient of the whole batch
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=send.device)  # (P/n,)
         with _trace.tagged(unit=unit.name, phase="backward"):
-            handle = comm.reduce_scatter(out, send, self.group, async_op=True, label=f"fsdp/{unit.name}/reduce_scatter")
+            handle = comm.reduce_scatter(out, send, self.group, async_op=True,
+                                         label=f"fsdp/{unit.name}/reduce_scatter")
         unit.reducing, unit.reduced, self._in_flight = (handle, out, send), True, unit
         if self.zero == 1:
             unit.grad_full = grad  # kept whole; its own slice gets the averaged gradient
@@ -280,7 +293,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         # the parts of this shard whose parameter no rank used: the step must leave them alone
         mine, unit.untouched = self._shard_range(unit), []
         for slot, used in zip(unit.plan.slots, unit.used):
-            lo, hi = max(slot.offset, mine.start) - mine.start, min(slot.offset + slot.numel, mine.stop) - mine.start
+            lo = max(slot.offset, mine.start) - mine.start
+            hi = min(slot.offset + slot.numel, mine.stop) - mine.start
             if not used and lo < hi and used_by_no_rank(out[lo:hi]):
                 unit.untouched.append(range(lo, hi))
         unit.used[:] = [False] * len(unit.used)
@@ -288,15 +302,16 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
     def _shard_range(self, unit: Unit) -> range:
         return shard_range(unit.plan.numel, self.world_size, self.rank)
 
-    # -- the end of backward, and gradient accumulation (a pipeline's micro-batches) ------------------
+    # -- the end of backward, and gradient accumulation (a pipeline's micro-batches) ---------------
     @contextmanager
     def no_sync(self):
         """Backward passes inside add each unit's full gradient into ``unit.full.grad`` and send
-        nothing; ``finish_gradients()`` then reduce-scatters the sum, once. ZeRO-1 only: ZeRO-2 and 3
-        give up the full gradient during backward, and accumulating it is what they save (DeepSpeed
-        allows only ZeRO-1 with pipeline parallelism, for the same reason)."""
+        nothing; ``finish_gradients()`` then reduce-scatters the sum, once. ZeRO-1 only: ZeRO-2 and
+        3 give up the full gradient during backward, and accumulating it is what they save
+        (DeepSpeed allows only ZeRO-1 with pipeline parallelism, for the same reason)."""
         if self.zero != 1:
-            raise ValueError(f"no_sync needs zero=1 (the full gradient kept through backward), got zero={self.zero}")
+            raise ValueError("no_sync needs zero=1 (the full gradient kept through backward), got "
+                             f"zero={self.zero}")
         with super().no_sync():
             yield
 
@@ -308,7 +323,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         for unit in self.units:
             if not unit.reduced:
                 if unit.full.grad is None:
-                    unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype, device=unit.shard.device)
+                    unit.full.grad = torch.zeros(unit.padded, dtype=self.compute_dtype,
+                                                 device=unit.shard.device)
                 self._start_reduce(unit)
         if self._in_flight is not None:
             self._finish_reduce(self._in_flight)
@@ -334,7 +350,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
             for unit in self.units:
                 unit.master.grad = None if unit.grad_shard is None else unit.grad_shard.float()
         # what the step must not change: the parts of shards whose parameter no rank used
-        self._kept = [fsdp_units.keep_untouched(u, self.optimizer.state.get(u.master, {})) for u in self.units]
+        self._kept = [fsdp_units.keep_untouched(u, self.optimizer.state.get(u.master, {}))
+                      for u in self.units]
 
     @torch.no_grad()
     def _after_step(self) -> None:
@@ -349,7 +366,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
             handles = []
             for u in self.units:
                 with _trace.tagged(unit=u.name, phase="step"):
-                    handles.append(comm.all_gather(u.full.data, u.shard.clone(), self.group, async_op=True,
+                    handles.append(comm.all_gather(u.full.data, u.shard.clone(), self.group,
+                                                   async_op=True,
                                                    label=f"fsdp/{u.name}/all_gather.step"))
             for handle in handles:
                 handle.wait()
@@ -375,7 +393,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         for unit in self.units:
             flat = torch.empty(unit.padded, dtype=torch.float32, device=unit.master.device)  # (P,)
             with _trace.tagged(unit=unit.name, phase="state_dict"):
-                comm.all_gather(flat, unit.master.detach(), self.group, label=f"fsdp/{unit.name}/all_gather.state_dict")
+                comm.all_gather(flat, unit.master.detach(), self.group,
+                                label=f"fsdp/{unit.name}/all_gather.state_dict")
             for slot in unit.plan.slots:
                 out[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return {name: out[name] for name in self.param_names}
@@ -398,19 +417,23 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
         return pieces
 
     @torch.no_grad()
-    def load_local_pieces(self, pieces: list[LocalPiece], optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Set what this rank holds from pieces of the parameters, cut any way (whole tensors, or the
-        ``local_pieces`` of a run on another world size). They must cover this rank's shards; under
-        ZeRO-1/2, which hold the full parameters, every parameter's values whole (so nothing is sent).
-        Copies only: bit for bit. Pieces that carry optimizer state set it, at their step."""
+    def load_local_pieces(self, pieces: list[LocalPiece],
+                          optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Set what this rank holds from pieces of the parameters, cut any way (whole tensors, or
+        the ``local_pieces`` of a run on another world size). They must cover this rank's shards;
+        under ZeRO-1/2, which hold the full parameters, every parameter's values whole (so nothing
+        is sent). Copies only: bit for bit. Pieces that carry optimizer state set it, at their
+        step."""
         optimizer = optimizer or self.optimizer
         by_name = fsdp_units.pieces_by_name(pieces, self.param_names)
         for unit in self.units:
             mine, device = self._shard_range(unit), unit.master.device
             state = fsdp_units.assemble_state(unit, by_name, mine)  # {} when the pieces carry none
             if state and optimizer is None:
-                raise ValueError("the pieces carry optimizer state, and no optimizer is attached to take it")
-            if self.zero < 3:  # (P,): the full parameters, padding zero; the master shard is a view of them
+                raise ValueError(
+                    "the pieces carry optimizer state, and no optimizer is attached to take it")
+            # (P,): the full parameters, padding zero; the master shard is a view of them
+            if self.zero < 3:
                 flat = fsdp_units.assemble(unit, by_name, "param", range(unit.padded)).to(device)
                 unit.full.copy_(flat)
                 if self.mixed:
@@ -420,7 +443,8 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
                 if self.mixed:
                     unit.shard.copy_(unit.master)
             if state:
-                optimizer.state[unit.master] = {k: v if k == "step" else v.to(device) for k, v in state.items()}
+                optimizer.state[unit.master] = {k: v if k == "step" else v.to(device)
+                                                for k, v in state.items()}
 
     def held_bytes(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes this rank holds, counted from the tensors (each

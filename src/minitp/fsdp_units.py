@@ -27,7 +27,7 @@ def wrap_blocks(name: str, module: nn.Module) -> bool:
     return isinstance(module, TransformerBlock)
 
 
-# -- planning the units (no process group needed, so it can be checked and costed anywhere) ----------
+# -- planning the units (no process group needed, so it can be checked and costed anywhere) --------
 @dataclass
 class ParamSlot:
     """Where one of the model's parameters lives inside its unit's flat buffer."""
@@ -70,12 +70,15 @@ def plan_units(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks
         counts.setdefault(id(p), []).append(name)
     for names in counts.values():
         if len(names) > 1:
-            raise ValueError(f"a parameter shared between {' and '.join(names)}: minitp.fsdp gives every "
-                             "parameter one place in one unit; untie the weights")
+            raise ValueError(
+                f"a parameter shared between {' and '.join(names)}: minitp.fsdp gives every "
+                "parameter one place in one unit; untie the weights")
     for name, p in model.named_parameters():
         if p.dtype != torch.float32:
-            raise ValueError(f"unsupported dtype: {name} is {p.dtype}, expected torch.float32 (the sharded "
-                             "master weights are fp32; ask for bf16 compute with mixed_precision=torch.bfloat16)")
+            raise ValueError(
+                f"unsupported dtype: {name} is {p.dtype}, expected torch.float32 (the sharded "
+                "master weights are fp32; ask for bf16 compute with "
+                "mixed_precision=torch.bfloat16)")
 
     wrapped: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -88,8 +91,9 @@ def plan_units(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks
     for name, module in wrapped:
         params = list(module.named_parameters(prefix=name))
         if not params:
-            raise ValueError(f"a unit with no parameters: {name} ({type(module).__name__}); the wrapping "
-                             "policy chose a module that holds nothing to shard")
+            raise ValueError(
+                f"a unit with no parameters: {name} ({type(module).__name__}); the wrapping "
+                "policy chose a module that holds nothing to shard")
         plans.append(UnitPlan(name, module, _slots(model, params)))
         claimed.update(id(p) for _, p in params)
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in claimed]
@@ -97,9 +101,10 @@ def plan_units(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_blocks
         plans.insert(0, UnitPlan("root", model, _slots(model, rest)))
     for plan in plans:
         if plan.numel < world_size:
-            raise ValueError(f"unit {plan.name} has {plan.numel} elements, fewer than the {world_size} ranks: "
-                             f"ranks {plan.numel}..{world_size - 1} would hold nothing but padding; wrap it "
-                             "together with more parameters or use fewer ranks")
+            raise ValueError(
+                f"unit {plan.name} has {plan.numel} elements, fewer than the {world_size} ranks: "
+                f"ranks {plan.numel}..{world_size - 1} would hold nothing but padding; wrap it "
+                "together with more parameters or use fewer ranks")
     return plans
 
 
@@ -118,7 +123,7 @@ def unit_numels(model: nn.Module, world_size: int, wrap: WrapPolicy = wrap_block
     return [plan.numel for plan in plan_units(model, world_size, wrap)]
 
 
-# -- a unit at run time ---------------------------------------------------------------------------------
+# -- a unit at run time ----------------------------------------------------------------------------
 @dataclass
 class Unit:
     """One flat-sharded group of parameters and everything this rank keeps for it.
@@ -145,7 +150,8 @@ class Unit:
     reducing: tuple | None = field(default=None, repr=False)  # (handle, output, input) in flight
     reduced: bool = False  # has this backward reduced its gradient yet?
     used: list[bool] = field(default_factory=list)  # per slot: did this rank's backward reach it?
-    untouched: list[range] = field(default_factory=list)  # parts of the shard no rank used: AdamW leaves them
+    # parts of the shard no rank used: AdamW leaves them
+    untouched: list[range] = field(default_factory=list)
 
     @property
     def shard_numel(self) -> int:
@@ -155,15 +161,16 @@ class Unit:
         return self.full.numel() * self.full.element_size()
 
 
-# -- pieces of parameters: what a shard holds, by parameter ---------------------------------------------
+# -- pieces of parameters: what a shard holds, by parameter ----------------------------------------
 @dataclass
 class LocalPiece:
-    """Elements [start, stop) of parameter ``name`` flattened, with the optimizer's per-element state
-    for the same elements: ``tensors`` holds "param" and, once the optimizer has stepped, each of its
-    per-element tensors ("exp_avg", "exp_avg_sq" for AdamW), all (stop - start,)."""
+    """Elements [start, stop) of parameter ``name`` flattened, with the optimizer's per-element
+    state for the same elements: ``tensors`` holds "param" and, once the optimizer has stepped, each
+    of its per-element tensors ("exp_avg", "exp_avg_sq" for AdamW), all (stop - start,)."""
 
     name: str  # the plain model's name, e.g. "layers.0.attention.wq.weight"
-    shape: tuple[int, ...]  # the whole parameter as the wrapped module holds it (a tp slice under tp)
+    # the whole parameter as the wrapped module holds it (a tp slice under tp)
+    shape: tuple[int, ...]
     start: int
     stop: int
     tensors: dict[str, torch.Tensor]
@@ -173,27 +180,31 @@ class LocalPiece:
 def per_element_state(state: dict, numel: int) -> dict[str, torch.Tensor]:
     """The optimizer state tensors with one value per element of a (numel,) parameter (AdamW's
     moments), leaving out scalars such as its step."""
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel}
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1
+            and v.numel() == numel}
 
 
 def shard_pieces(unit: Unit, mine: range, state: dict) -> list[LocalPiece]:
-    """The pieces shard ``mine`` of ``unit`` holds (the padding is no parameter's), copied to the CPU:
-    the fp32 master values and the per-element optimizer ``state`` of the shard."""
+    """The pieces shard ``mine`` of ``unit`` holds (the padding is no parameter's), copied to the
+    CPU: the fp32 master values and the per-element optimizer ``state`` of the shard."""
     flats = {"param": unit.master.detach(), **per_element_state(state, len(mine))}
     step = int(state["step"]) if "step" in state else None
     pieces = []
     for slot in unit.plan.slots:
         lo, hi = max(slot.offset, mine.start), min(slot.offset + slot.numel, mine.stop)
         if lo < hi:  # unit coordinates -> the shard's and the parameter's
-            tensors = {k: f[lo - mine.start:hi - mine.start].detach().clone().cpu() for k, f in flats.items()}
-            pieces.append(LocalPiece(slot.name, tuple(slot.shape), lo - slot.offset, hi - slot.offset, tensors, step))
+            tensors = {k: f[lo - mine.start:hi - mine.start].detach().clone().cpu()
+                       for k, f in flats.items()}
+            pieces.append(LocalPiece(slot.name, tuple(slot.shape), lo - slot.offset,
+                                     hi - slot.offset, tensors, step))
     return pieces
 
 
-def assemble(unit: Unit, pieces: dict[str, list[LocalPiece]], kind: str, span: range) -> torch.Tensor:
-    """Elements ``span`` of ``unit``'s flat buffer of ``kind`` ("param" or a state), fp32 on the CPU,
-    put together from ``pieces`` ({name: pieces}); the padding is zero. Raises a ValueError naming
-    the parameter whose elements in ``span`` no piece covers."""
+def assemble(unit: Unit, pieces: dict[str, list[LocalPiece]], kind: str,
+             span: range) -> torch.Tensor:
+    """Elements ``span`` of ``unit``'s flat buffer of ``kind`` ("param" or a state), fp32 on the
+    CPU, put together from ``pieces`` ({name: pieces}); the padding is zero. Raises a ValueError
+    naming the parameter whose elements in ``span`` no piece covers."""
     out = torch.zeros(len(span), dtype=torch.float32)
     covered = torch.zeros(len(span), dtype=torch.bool)
     for slot in unit.plan.slots:
@@ -202,12 +213,14 @@ def assemble(unit: Unit, pieces: dict[str, list[LocalPiece]], kind: str, span: r
             continue
         for piece in pieces.get(slot.name, ()):
             if tuple(piece.shape) != tuple(slot.shape):
-                raise ValueError(f"a piece of {slot.name} says its shape is {list(piece.shape)}, the "
-                                 f"model's is {list(slot.shape)}")
+                raise ValueError(
+                    f"a piece of {slot.name} says its shape is {list(piece.shape)}, the "
+                    f"model's is {list(slot.shape)}")
             a, b = max(lo, slot.offset + piece.start), min(hi, slot.offset + piece.stop)
             if a < b and kind in piece.tensors:
                 start = slot.offset + piece.start
-                out[a - span.start:b - span.start] = piece.tensors[kind].reshape(-1)[a - start:b - start]
+                out[a - span.start:b - span.start] = (
+                    piece.tensors[kind].reshape(-1)[a - start:b - start])
                 covered[a - span.start:b - span.start] = True
         if not covered[lo - span.start:hi - span.start].all():
             raise ValueError(f"the pieces of {slot.name} do not cover its {kind} elements "
@@ -226,25 +239,31 @@ def pieces_by_name(pieces: list[LocalPiece], names: list[str]) -> dict[str, list
     return out
 
 
-def assemble_state(unit: Unit, pieces: dict[str, list[LocalPiece]], mine: range) -> dict[str, torch.Tensor]:
-    """The optimizer state of shard ``mine`` of ``unit`` from the pieces that carry one ({} when none
-    does): its step, which every piece of the unit must share, and each per-element tensor."""
+def assemble_state(unit: Unit, pieces: dict[str, list[LocalPiece]],
+                   mine: range) -> dict[str, torch.Tensor]:
+    """The optimizer state of shard ``mine`` of ``unit`` from the pieces that carry one ({} when
+    none does): its step, which every piece of the unit must share, and each per-element tensor."""
     given = [p for slot in unit.plan.slots for p in pieces.get(slot.name, ())]
-    kinds, steps = sorted({k for p in given for k in p.tensors} - {"param"}), {p.step for p in given}
+    kinds, steps = sorted({k for p in given
+                           for k in p.tensors} - {"param"}), {p.step for p in given}
     if not kinds:
         return {}
     if len(steps) != 1 or None in steps:
         raise ValueError(f"the pieces of unit {unit.name} carry optimizer state at steps "
-                         f"{sorted(steps, key=str)}; one step per unit expected (AdamW keeps one per shard)")
-    return {"step": torch.tensor(float(steps.pop())), **{k: assemble(unit, pieces, k, mine) for k in kinds}}
+                         f"{sorted(steps, key=str)}; one step per unit expected (AdamW keeps one "
+                         "per shard)")
+    return {"step": torch.tensor(float(steps.pop())), **{k: assemble(unit, pieces, k, mine)
+                                                         for k in kinds}}
 
 
-# -- a parameter no rank used: its part of the shard is put back after the optimizer's step ---------------
-def keep_untouched(unit: Unit, state: dict) -> list[tuple[range, torch.Tensor, dict[str, torch.Tensor]]]:
+# -- a parameter no rank used: its part of the shard is put back after the optimizer's step --------
+def keep_untouched(unit: Unit, state: dict) -> list[tuple[range, torch.Tensor,
+                                                          dict[str, torch.Tensor]]]:
     """Copies of the values and per-element state of the parts in ``unit.untouched``."""
     moments = per_element_state(state, unit.shard_numel)
     return [(part, unit.master.detach()[part.start:part.stop].clone(),
-             {k: v[part.start:part.stop].clone() for k, v in moments.items()}) for part in unit.untouched]
+             {k: v[part.start:part.stop].clone() for k, v in moments.items()})
+             for part in unit.untouched]
 
 
 def put_back(unit: Unit, kept: list[tuple[range, torch.Tensor, dict]], state: dict) -> None:

@@ -11,13 +11,13 @@ Every refusal names the value that came and what was expected: ``tp=3 does not d
 
 from __future__ import annotations
 
-# The five dimensions, named once: the mesh's three axes (slowest to fastest), then the two that split
-# the dp axis further (context parallel's cp ranks, expert parallel's ep groups).
+# The five dimensions, named once: the mesh's three axes (slowest to fastest), then the two that
+# split the dp axis further (context parallel's cp ranks, expert parallel's ep groups).
 DIMS = ("dp", "pp", "tp", "cp", "ep")
 AXES = DIMS[:3]  # the grid: rank = (dp_rank · pp + pp_rank) · tp + tp_rank
 
 
-# -- divisibility ---------------------------------------------------------------------------------------
+# -- divisibility ----------------------------------------------------------------------------------
 def check_positive(name: str, value) -> None:
     """Refuse a size that is not an integer >= 1 (a bool is not a size)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -38,7 +38,7 @@ def check_batch(batch_size: int, data_parallel: int) -> None:
     check_divisible("batch_size", batch_size, "nproc", data_parallel)
 
 
-# -- pipeline: which blocks each stage holds --------------------------------------------------------------
+# -- pipeline: which blocks each stage holds -------------------------------------------------------
 def check_stages(n_layers: int, num_stages: int) -> None:
     """Refuse a number of stages that is not a positive integer or leaves a stage with no block."""
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
@@ -66,7 +66,7 @@ def stage_num_blocks(n_layers: int, pp: int, stage: int) -> int:
     return len(stage_blocks(n_layers, pp)[stage])
 
 
-# -- tensor parallel: what tp must divide -------------------------------------------------------------------
+# -- tensor parallel: what tp must divide ----------------------------------------------------------
 KV_HEADS_WHY = ": minitp splits key/value heads and refuses to replicate them"
 
 
@@ -77,24 +77,27 @@ def tp_split_sizes(cfg) -> list[tuple[str, int]]:
 
 
 def check_vocab(vocab_size: int, tp: int) -> None:
-    """Refuse a vocabulary tp does not divide, naming the size that would work (minitp never pads it:
-    padding would change the parameter count and the logits the one-process model is checked against)."""
+    """Refuse a vocabulary tp does not divide, naming the size that would work (minitp never pads
+    it: padding would change the parameter count and the logits the one-process model is checked
+    against)."""
     check_divisible("vocab_size", vocab_size, "tp", tp,
                     f"; minitp refuses rather than pads: build the model with "
                     f"vocab_size={padded_numel(vocab_size, tp)} (the next multiple of {tp})")
 
 
 def check_tp_config(cfg, tp: int) -> None:
-    """Refuse a model that does not split over ``tp`` ranks: heads, key/value heads, MLP width, vocabulary."""
+    """Refuse a model that does not split over ``tp`` ranks: heads, key/value heads, MLP width,
+    vocabulary."""
     check_divisible("n_heads", cfg.n_heads, "tp", tp)
     check_divisible("n_kv_heads", cfg.kv_heads, "tp", tp, KV_HEADS_WHY)
     check_divisible("ffn_hidden", cfg.ffn_hidden, "tp", tp)
     check_vocab(cfg.vocab_size, tp)
 
 
-# -- FSDP: flat buffers padded to a multiple of the world, one equal shard per rank --------------------------
+# -- FSDP: flat buffers padded to a multiple of the world, one equal shard per rank ----------------
 def padded_numel(numel: int, world_size: int) -> int:
-    """``numel`` rounded up to a multiple of ``world_size``: a unit's flat buffer, padding included."""
+    """``numel`` rounded up to a multiple of ``world_size``: a unit's flat buffer, padding
+    included."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     return -(-numel // world_size) * world_size
@@ -102,17 +105,19 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 def shard_range(numel: int, world_size: int, rank: int) -> range:
     """The elements of the padded flat buffer (``padded_numel``) that ``rank`` holds: the rank-th of
-    ``world_size`` equal slices. Also a tp rank's rows of a divisible dimension (then no padding)."""
+    ``world_size`` equal slices. Also a tp rank's rows of a divisible dimension (then no
+    padding)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not one of world_size={world_size} ranks")
     size = padded_numel(numel, world_size) // world_size
     return range(rank * size, (rank + 1) * size)
 
 
-# -- DDP: gradients grouped into buckets ---------------------------------------------------------------------
+# -- DDP: gradients grouped into buckets -----------------------------------------------------------
 def bucket_ranges(param_bytes: list[int], bucket_bytes: int) -> list[range]:
-    """Which parameters (by index, in backward order) share each bucket: a bucket fills until the next
-    parameter would pass ``bucket_bytes``; a parameter larger than a bucket gets one to itself."""
+    """Which parameters (by index, in backward order) share each bucket: a bucket fills until the
+    next parameter would pass ``bucket_bytes``; a parameter larger than a bucket gets one to
+    itself."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     starts, filled = [], 0
@@ -129,22 +134,24 @@ def num_buckets(param_bytes: list[int], bucket_bytes: int) -> int:
     return len(bucket_ranges(param_bytes, bucket_bytes))
 
 
-# -- context parallel: which positions of the sequence each rank holds ------------------------------------
-CP_TILE = 64  # ring attention cuts a diagonal (masked) chunk pair longer than this in four (minitp.cp)
+# -- context parallel: which positions of the sequence each rank holds -----------------------------
+# ring attention cuts a diagonal (masked) chunk pair longer than this in four (minitp.cp)
+CP_TILE = 64
 CP_ATTENTIONS = ("ring", "ulysses", "allgather")  # the ways minitp.cp attends across a cp group
 
 
 def cp_chunks(seq_len: int, cp: int, rank: int, balanced: bool = True) -> list[range]:
     """The positions ``rank`` of ``cp`` holds, as ranges in the order the rank stores them.
-    Contiguous: the rank-th of cp equal slices. Balanced (causal attention): the sequence is cut into
-    2·cp chunks and rank i holds chunks i and 2cp-1-i, one early (little to attend to) and one late
-    (much), so every rank does the same work."""
+    Contiguous: the rank-th of cp equal slices. Balanced (causal attention): the sequence is cut
+    into 2·cp chunks and rank i holds chunks i and 2cp-1-i, one early (little to attend to) and one
+    late (much), so every rank does the same work."""
     check_positive("cp", cp)
     if not 0 <= rank < cp:
         raise ValueError(f"rank {rank} is not one of cp={cp} ranks")
     pieces = 2 * cp if balanced else cp
     check_divisible("seq_len", seq_len, "2*cp" if balanced else "cp", pieces,
-                    ": load-balanced context parallel cuts the sequence into 2*cp equal chunks" if balanced
+                    ": load-balanced context parallel cuts the sequence into 2*cp equal chunks"
+                    if balanced
                     else ": context parallel gives each rank seq_len/cp positions")
     size = seq_len // pieces
     order = (rank, 2 * cp - 1 - rank) if balanced else (rank,)

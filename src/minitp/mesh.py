@@ -54,7 +54,8 @@ class Mesh:
         mesh.coords                                   # Coordinates(dp=1, pp=0, tp=1) on rank 5
 
     cp, ep: split each dp group (of ``dp`` ranks) into context-parallel groups of cp ranks
-    (``cp_group``) or expert groups of ep ranks (``ep_group``, with ``expert_dp_group``); None when 1.
+    (``cp_group``) or expert groups of ep ranks (``ep_group``, with ``expert_dp_group``); None when
+    1.
     """
 
     def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1):
@@ -72,10 +73,12 @@ class Mesh:
         groups = {dim: self._make(dim, lists[dim]) for dim in reversed(AXES)}
         self.tp_group, self.pp_group, self.dp_group = groups["tp"], groups["pp"], groups["dp"]
         if cp > 1:
-            self.cp_group = self._make("cp", [ranks[i:i + cp] for ranks in lists["dp"] for i in range(0, dp, cp)])
+            self.cp_group = self._make("cp", [ranks[i:i + cp] for ranks in lists["dp"]
+                                              for i in range(0, dp, cp)])
         if ep > 1:
             for ranks in lists["dp"]:  # per dp group: its ep runs, then its expert-dp groups
-                self.ep_group = self._make("ep", [ranks[i:i + ep] for i in range(0, dp, ep)]) or self.ep_group
+                self.ep_group = self._make("ep", [ranks[i:i + ep]
+                                                  for i in range(0, dp, ep)]) or self.ep_group
                 expert_dp = self._make("dp", [ranks[j::ep] for j in range(ep)], key="expert_dp")
                 self.expert_dp_group = expert_dp or self.expert_dp_group
 

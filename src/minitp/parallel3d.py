@@ -47,39 +47,43 @@ class Parallel3D:
     message (without sequence parallel every tp rank computes the same full gradient for them).
 
     With pp > 1 each micro-batch runs its own backward, so data parallel waits: gradients accumulate
-    under ``no_sync`` and are averaged once after the schedule (FSDP: ZeRO-1 only, see ``fsdp.no_sync``).
-    A dimension of size 1 is left out (no wrapper, no message).
+    under ``no_sync`` and are averaged once after the schedule (FSDP: ZeRO-1 only, see
+    ``fsdp.no_sync``). A dimension of size 1 is left out (no wrapper, no message).
 
     mesh.cp: context parallel inside each replica (the mesh's dp axis holds dp·cp ranks): each
         attention a ring over the cp group, RoPE at the rank's positions (``cp.Context``);
         ``cp_attention``: "ring", "ulysses" (all-to-alls of the tp rank's heads) or "allgather"
         (every rank gathers the keys and values of the whole sequence).
-    schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP only.
-    mesh.ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep consecutive dp
-    ranks shares one set of experts (``Mesh.ep_group``); ``ep.ExpertParallel`` then averages the
-    replicated gradients over dp and each expert's over its dp/ep copies, in place of DDP (tp = 1;
-    with pp, each stage's MoE layers add coef/m of their auxiliary loss to the backward).
+    schedule "interleaved": ``virtual_stages`` chunks per rank (pieces r, r+pp, ... of pp·v), DDP
+    only. mesh.ep: expert parallel for a MoE model (``minitp.models.moe``): each run of ep
+    consecutive dp ranks shares one set of experts (``Mesh.ep_group``); ``ep.ExpertParallel`` then
+    averages the replicated gradients over dp and each expert's over its dp/ep copies, in place of
+    DDP (tp = 1; with pp, each stage's MoE layers add coef/m of their auxiliary loss to the
+    backward).
 
     device: where the model, the batches and the messages go; by default ``minitp.comm.device()``
     (``cuda:LOCAL_RANK`` under NCCL, else the CPU).
 
     Read by others: ``mesh``, ``data_parallel``, ``zero``, ``module`` (the pieces this rank holds,
-    under the plain model's names), ``split_dims``, ``replicas`` (the data-parallel wrapper, whichever:
-    ``ddp``, ``fsdp`` or ``expert_parallel``; None when not used), ``context`` (context parallel's),
-    ``pipeline`` (None when pp = 1), ``optimizer``, ``device``, ``config`` and ``whole_shapes``
-    (the plain model's config and {name: shape} before any split: what a checkpoint checks),
-    ``aux_loss_coef`` and ``aux_per_step`` (a MoE's auxiliary loss under a pipeline: see
+    under the plain model's names), ``split_dims``, ``replicas`` (the data-parallel wrapper,
+    whichever: ``ddp``, ``fsdp`` or ``expert_parallel``; None when not used), ``context`` (context
+    parallel's), ``pipeline`` (None when pp = 1), ``optimizer``, ``device``, ``config`` and
+    ``whole_shapes`` (the plain model's config and {name: shape} before any split: what a checkpoint
+    checks), ``aux_loss_coef`` and ``aux_per_step`` (a MoE's auxiliary loss under a pipeline: see
     ``forward_backward``).
     """
 
-    def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp", zero: int | None = None,
-                 microbatches: int = 1, schedule: str = "1f1b", lr: float = 3e-3, bucket_mb: float = 25.0,
-                 device: torch.device | str | None = None, virtual_stages: int = 1, cp_attention: str = "ring"):
-        check_composition(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep, data_parallel, schedule,
-                          virtual_stages)
+    def __init__(self, model: Transformer, mesh: Mesh, data_parallel: str = "ddp",
+                 zero: int | None = None, microbatches: int = 1, schedule: str = "1f1b",
+                 lr: float = 3e-3, bucket_mb: float = 25.0,
+                 device: torch.device | str | None = None, virtual_stages: int = 1,
+                 cp_attention: str = "ring"):
+        check_composition(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep, data_parallel,
+                          schedule, virtual_stages)
         self.zero = check_zero(data_parallel, zero, mesh.pp)
         self.mesh, self.data_parallel = mesh, data_parallel
-        # what a checkpoint stores and checks: the plain model's config and its parameters' whole shapes
+        # what a checkpoint stores and checks: the plain model's config and its parameters' whole
+        # shapes
         self.config = model.config
         self.whole_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self.device = torch.device(device) if device is not None else comm.device()
@@ -87,21 +91,25 @@ class Parallel3D:
         self.loss = loss_fn
         if mesh.tp > 1:
             _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
-            self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
+            self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(
+                logits, targets, mesh.tp_group)
         # context parallel: the mesh's dp axis holds dp·cp ranks; every attention runs the ring (or
         # Ulysses' all-to-alls, or the all-gathers) over mesh.cp_group, and RoPE rotates this rank's
         # (B/dp, S/cp) tokens by their positions
         self.context = _cp.Context(mesh.cp_group, attention=cp_attention) if mesh.cp > 1 else None
         moe = isinstance(model.config, MoEConfig)
         if mesh.ep > 1 and not moe:
-            raise ValueError(f"ep={mesh.ep} needs a MoE model (minitp.models.moe), got {type(model.config).__name__}")
+            raise ValueError(f"ep={mesh.ep} needs a MoE model (minitp.models.moe), got "
+                             f"{type(model.config).__name__}")
         if moe and mesh.pp == 1:
             loss = self.loss
-            self.loss = lambda logits, targets: loss(logits, targets) + model.config.aux_loss_coef * aux_loss(model)
+            self.loss = lambda logits, targets: loss(
+                logits, targets) + model.config.aux_loss_coef * aux_loss(model)
         interleaved = None
         if mesh.pp > 1 and schedule == "interleaved":
-            # v chunks per rank, run by the pipeline itself; DDP only keeps the gradient buckets (under
-            # no_sync during the schedule, averaged after it), so no chunk needs to run through it
+            # v chunks per rank, run by the pipeline itself; DDP only keeps the gradient buckets
+            # (under no_sync during the schedule, averaged after it), so no chunk needs to run
+            # through it
             interleaved = Pipeline(model, mesh.pp_group, schedule, microbatches, loss=self.loss,
                                    virtual_stages=virtual_stages, context=self.context)
             module = interleaved.module
@@ -109,28 +117,36 @@ class Parallel3D:
             module = PipelineStage(model, mesh.coords.pp, mesh.pp, self.context)
         else:
             module = model
-        # data parallel over the dp axis: whichever wrapper, the same protocol (no_sync, finish_gradients)
+        # data parallel over the dp axis: whichever wrapper, the same protocol (no_sync,
+        # finish_gradients)
         self.ddp = self.fsdp = self.expert_parallel = self.replicas = None
-        if mesh.ep > 1:  # the experts of the blocks this rank holds over its ep group, the rest over dp
-            self.expert_parallel = self.replicas = _ep.ExpertParallel(module, mesh.ep_group, mesh.dp_group,
+        # the experts of the blocks this rank holds over its ep group, the rest over dp
+        if mesh.ep > 1:
+            self.expert_parallel = self.replicas = _ep.ExpertParallel(module, mesh.ep_group,
+                                                                      mesh.dp_group,
                                                                       mesh.expert_dp_group)
-        # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward themselves
-        # (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
-        self.aux_loss_coef = model.config.aux_loss_coef if moe else 0.0  # loss = cross-entropy + coef · aux
-        self.aux_per_step = 0.0  # this stage's share of the step's auxiliary loss (without coef), pp > 1
+        # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward
+        # themselves (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
+        # loss = cross-entropy + coef · aux
+        self.aux_loss_coef = model.config.aux_loss_coef if moe else 0.0
+        # this stage's share of the step's auxiliary loss (without coef), pp > 1
+        self.aux_per_step = 0.0
         self._aux_parts: list[torch.Tensor] = []  # its pieces, detached, read once the step is over
         if moe and mesh.pp > 1:
             for layer in moe_layers(module):
-                layer.register_forward_hook(self._add_aux_loss(model.config.aux_loss_coef, microbatches))
+                layer.register_forward_hook(self._add_aux_loss(model.config.aux_loss_coef,
+                                                               microbatches))
         # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
         # parameter along (None: replicated)
         stage = StageSpec.of(module) if mesh.pp > 1 and interleaved is None else None
         self.module = module  # what this rank holds, under the plain model's names
         self.split_dims = _tp.split_dims(module)  # (its experts only, under ep)
         if mesh.ep == 1 and mesh.dp > 1 and data_parallel == "ddp":
-            self.ddp = self.replicas = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
+            self.ddp = self.replicas = DistributedDataParallel(module, mesh.dp_group,
+                                                               bucket_mb=bucket_mb)
         elif mesh.ep == 1 and mesh.dp > 1:
-            self.fsdp = self.replicas = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
+            self.fsdp = self.replicas = FullyShardedDataParallel(module, mesh.dp_group,
+                                                                 zero=self.zero)
         self.step_model = module if self.replicas is None else self.replicas
         self.pipeline = interleaved
         if stage is not None:  # the pipeline calls the wrapper, computing in its dtype
@@ -144,17 +160,21 @@ class Parallel3D:
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one global batch (B, S), the same on every rank; gradients end
-        averaged over dp. Returns the loss of this replica's share (None off the last stage). A MoE's
-        loss is the cross-entropy plus ``aux_loss_coef`` · aux: all of it on one stage, but under a
-        pipeline the cross-entropy only, each stage's part of aux left in ``aux_per_step`` (adding
-        them up takes a message over pp: ``trainer._world_mean`` does it, or the 3D run's parent)."""
+        averaged over dp. Returns the loss of this replica's share (None off the last stage). A
+        MoE's loss is the cross-entropy plus ``aux_loss_coef`` · aux: all of it on one stage, but
+        under a pipeline the cross-entropy only, each stage's part of aux left in ``aux_per_step``
+        (adding them up takes a message over pp: ``trainer._world_mean`` does it, or the 3D run's
+        parent)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        if self.context is not None:  # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
+        # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
+        if self.context is not None:
             tokens, targets = (_cp.replica_share(t, self.mesh) for t in (tokens, targets))
         elif self.mesh.dp > 1:  # this replica's rows: (B, S) → (B/dp, S)
-            tokens, targets = split_batch(tokens, self.mesh.dp_group), split_batch(targets, self.mesh.dp_group)
+            tokens = split_batch(tokens, self.mesh.dp_group)
+            targets = split_batch(targets, self.mesh.dp_group)
         if self.pipeline is None:
-            # context parallel: the ring and RoPE at this rank's positions (the pipeline's stages know theirs)
+            # context parallel: the ring and RoPE at this rank's positions (the pipeline's stages
+            # know theirs)
             where = self.context.inputs(tokens) if self.context is not None else {}
             with _trace.span("forward"):
                 loss = self.loss(self.step_model(tokens, **where), targets)
@@ -163,7 +183,8 @@ class Parallel3D:
             return loss.item()
         with self.replicas.no_sync() if self.replicas is not None else nullcontext():
             record = self.pipeline.forward_backward(tokens, targets)
-        self.aux_per_step = float(sum(self._aux_parts)) if self._aux_parts else 0.0  # one sync, not one per layer
+        # one sync, not one per layer
+        self.aux_per_step = float(sum(self._aux_parts)) if self._aux_parts else 0.0
         self._aux_parts.clear()
         if self.replicas is not None:  # DDP, FSDP or expert parallel: the same protocol
             self.replicas.finish_gradients()
@@ -171,15 +192,17 @@ class Parallel3D:
 
     def _add_aux_loss(self, coef: float, microbatches: int):
         """A forward hook on a MoE layer: its output carries coef/m times the layer's auxiliary loss
-        into the backward (``_AuxLossGrad``), as one process's coef · aux of the whole batch would."""
+        into the backward (``_AuxLossGrad``), as one process's coef · aux of the whole batch
+        would."""
         def hook(layer, args, out):
             self._aux_parts.append(layer.aux_loss.detach() / microbatches)
             return _AuxLossGrad.apply(out, layer.aux_loss, coef / microbatches)
         return hook
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
-        # None, as one process's zero_grad(): a parameter this step leaves unused (an expert no token
-        # reached) keeps no gradient, so AdamW skips it rather than moving it by momentum and decay
+        # None, as one process's zero_grad(): a parameter this step leaves unused (an expert no
+        # token reached) keeps no gradient, so AdamW skips it rather than moving it by momentum and
+        # decay
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(tokens, targets)
         with _trace.span("optimizer"):
@@ -187,12 +210,13 @@ class Parallel3D:
         return loss
 
     def held_bytes(self) -> dict[str, int]:
-        return self.fsdp.held_bytes() if self.fsdp else held_bytes(self.module.parameters(), self.optimizer)
+        return self.fsdp.held_bytes() if self.fsdp else held_bytes(self.module.parameters(),
+                                                                   self.optimizer)
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None]]:
-        """{name: (tensor, tp split dim)}: this rank's tp slice of each parameter of its stage, whole
-        over dp, on the CPU (so it can travel back to the parent process). FSDP gathers its shards:
-        a collective, call it on every rank."""
+        """{name: (tensor, tp split dim)}: this rank's tp slice of each parameter of its stage,
+        whole over dp, on the CPU (so it can travel back to the parent process). FSDP gathers its
+        shards: a collective, call it on every rank."""
         if self.fsdp:
             state = self.fsdp.full_state_dict()
         else:

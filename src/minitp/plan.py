@@ -1,9 +1,9 @@
-"""The layout planner: which dp × pp × tp layouts of N GPUs fit a model, what each one sends, how long
-a step should take.
+"""The layout planner: which dp × pp × tp layouts of N GPUs fit a model, what each one sends, how
+long a step should take.
 
-Nothing runs: every number comes from ``minitp.cost``, the same formulas the runs are checked against
-(``minitp run 3d`` compares them with the bytes traced and the memory held on every rank, and
-``tests/test_plan.py`` does so for every layout of the tiny model on 8 ranks).
+Nothing runs: every number comes from ``minitp.cost``, the same formulas the runs are checked
+against (``minitp run 3d`` compares them with the bytes traced and the memory held on every rank,
+and ``tests/test_plan.py`` does so for every layout of the tiny model on 8 ranks).
 
 For each layout the planner takes the worst rank (the stage that holds or sends the most):
 
@@ -17,9 +17,10 @@ For each layout the planner takes the worst rank (the stage that holds or sends 
 * the predicted step time and MFU on a device (``minitp.cost.step_time``: H100 by default).
 
 A mixture of experts (``minitp.models.moe``, e.g. ``mixtral-8x7b``) can split its experts over ep of
-the data-parallel GPUs (expert parallel, ``ep``, as Megatron and DeepSpeed do: the ep group lies inside
-the dp·cp ranks that hold the same dense weights); its all-to-alls are a fifth dimension of bytes, and
-its FLOPs (so step time and MFU) count the parameters a token goes through, k of the E experts.
+the data-parallel GPUs (expert parallel, ``ep``, as Megatron and DeepSpeed do: the ep group lies
+inside the dp·cp ranks that hold the same dense weights); its all-to-alls are a fifth dimension of
+bytes, and its FLOPs (so step time and MFU) count the parameters a token goes through, k of the E
+experts.
 
 A layout is listed when tp divides the heads, key/value heads, MLP width and vocabulary, tp fits in
 a machine (``gpus_per_node``), pp is at most the number of blocks and the batch splits over dp. The
@@ -32,45 +33,54 @@ import math
 from dataclasses import asdict, replace
 
 from minitp import cost
-from minitp.cost.context import check_cp_attention, check_ulysses_heads, cp_attention_activation_bytes_per_rank
-from minitp.grid import check_3d_layout, check_zero, layouts  # noqa: F401  (plan.layouts: every layout)
+from minitp.cost.context import (
+    check_cp_attention,
+    check_ulysses_heads,
+    cp_attention_activation_bytes_per_rank,
+)
+from minitp.grid import check_3d_layout, check_zero
+from minitp.grid import layouts as layouts  # plan.layouts: every layout
 from minitp.layout import AXES, check_divisible, check_positive
 from minitp.models import ModelConfig
 
 GIB = 2**30
-MAX_GPUS = 2**20  # 1,048,576: ten times the largest training clusters; the planner answers at once up to it
+# 1,048,576: ten times the largest training clusters; the planner answers at once up to it
+MAX_GPUS = 2**20
 
 
 def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, seq_len: int,
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
                 micro_batch: int = 1, flash_attention: bool = True, recompute=False,
-                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1,
-                activations: str = "llama", cp_attention: str = "ring") -> dict:
-    """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one layout,
-    from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or True / "full".
-    activations: how a dense block's activations are counted (``cost.activation_bytes_per_rank``'s
-    formula): "llama", minitp's block tensor by tensor; "llama-regather", the same with the column-parallel
-    inputs gathered again in backward under sequence parallel (Megatron-LM; the extra all-gathers are not
-    in the bytes or the time); "gpt3", Korthikanti et al.'s count for GPT-3's block.
-    cp: context parallel, each sequence split over cp GPUs (ring attention; dp·cp·pp·tp GPUs in all):
-    activations of S/cp positions, the ring's key/value bytes, states sharded over dp·cp by ZeRO.
-    cp_attention: how attention crosses the cp group: "ring" (the default), "ulysses" (all-to-alls of
-    the heads: cp must divide each tp rank's heads and key/value heads, else the layout is refused) or
-    "allgather" (LLaMA 3's: every rank gathers the whole sequence's keys and values). Each way's bytes
+                sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1,
+                ep: int = 1, activations: str = "llama", cp_attention: str = "ring") -> dict:
+    """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one
+    layout, from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or
+    True / "full". activations: how a dense block's activations are counted
+    (``cost.activation_bytes_per_rank``'s formula): "llama", minitp's block tensor by tensor;
+    "llama-regather", the same with the column-parallel inputs gathered again in backward under
+    sequence parallel (Megatron-LM; the extra all-gathers are not in the bytes or the time); "gpt3",
+    Korthikanti et al.'s count for GPT-3's block. cp: context parallel, each sequence split over cp
+    GPUs (ring attention; dp·cp·pp·tp GPUs in all): activations of S/cp positions, the ring's
+    key/value bytes, states sharded over dp·cp by ZeRO. cp_attention: how attention crosses the cp
+    group: "ring" (the default), "ulysses" (all-to-alls of the heads: cp must divide each tp rank's
+    heads and key/value heads, else the layout is refused) or "allgather" (LLaMA 3's: every rank
+    gathers the whole sequence's keys and values). Each way's bytes
     (``cost.cp_mesh_step_bytes(attention=)``), time (``cost.step_time(cp_attention=)``: only the
     ring's hide behind attention) and what its attention keeps beyond a block of S/cp positions
     (``cost.context.cp_attention_activation_bytes_per_rank``: the all-gather the whole sequence's
-    keys and values, Ulysses its kernel's output at all S positions; nothing more under full recomputation).
+    keys and values, Ulysses its kernel's output at all S positions; nothing more under full
+    recomputation).
 
-    A MoE model (``MoEConfig``) has an "ep" entry in ``bytes_per_step``; ep: its experts split over ep
-    of the dp·cp ranks that hold the same dense weights (ep divides dp·cp, and n_experts; dp·cp·pp·tp
-    GPUs still). With Ψ_d the dense parameters of the stage (attention, router, norms, embedding and
-    output) and Ψ_e its experts, after tp, and T = (B/dp)·(S/cp) the rank's tokens per step:
+    A MoE model (``MoEConfig``) has an "ep" entry in ``bytes_per_step``; ep: its experts split over
+    ep of the dp·cp ranks that hold the same dense weights (ep divides dp·cp, and n_experts;
+    dp·cp·pp·tp GPUs still). With Ψ_d the dense parameters of the stage (attention, router, norms,
+    embedding and output) and Ψ_e its experts, after tp, and T = (B/dp)·(S/cp) the rank's tokens per
+    step:
 
     * states: Ψ_d as a dense model's, ZeRO-sharded over dp·cp, plus Ψ_e/ep sharded over the expert's
       dp·cp/ep copies (``cost.ep_mesh_memory_per_rank``; whole under DDP);
-    * activations: each block's MLP share replaced by the MoE layer's k·T assignments, each keeping its
-      dispatched row and output (D each) and the expert's four tensors of Fe/tp
+    * activations: each block's MLP share replaced by the MoE layer's k·T assignments, each keeping
+      its dispatched row and output (D each) and the expert's four tensors of Fe/tp
       (``cost.moe_block_activation_bytes``);
     * bytes: "ep", per MoE layer of the stage, the dispatch, combine and their gradients,
       4·k·T·(ep-1)/ep·D·b (``cost.moe_all_to_all_bytes``, even routing); "dp", Ψ_d's gradients over
@@ -89,10 +99,12 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     moe = cost.check_ep(cfg, ep)
     if moe:
         check_divisible("expert_hidden", cfg.expert_hidden, "tp", tp)
-        check_divisible("dp·cp", dp * cp, "ep", ep, ": the experts are split over ep of the data-parallel ranks")
+        check_divisible("dp·cp", dp * cp, "ep", ep,
+                        ": the experts are split over ep of the data-parallel ranks")
     if batch_size % (dp * micro_batch):
-        raise ValueError(f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
-                         f"of {micro_batch}")
+        raise ValueError(
+            f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
+            f"of {micro_batch}")
     zero = check_zero(data_parallel, zero, pp)
     recompute = cost.recompute_mode(recompute)
     microbatches = batch_size // (dp * micro_batch) if pp > 1 else 1
@@ -102,19 +114,22 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         # the dp·cp ranks holding the same weights share their states (ZeRO) and average gradients;
         # with ep > 1 an expert's, only its dp·cp/ep copies
         if ep > 1:
-            states = cost.ep_mesh_memory_per_rank(cfg, dp * cp, tp, pp, s, ep, data_parallel, zero or 3, precision)
+            states = cost.ep_mesh_memory_per_rank(cfg, dp * cp, tp, pp, s, ep, data_parallel, zero
+                                                  or 3, precision)
         else:
-            states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, data_parallel, zero or 3, precision)
-        args = (cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp, s, microbatches, b, flash_attention,
-                recompute, sequence_parallel)
+            states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, data_parallel, zero or 3,
+                                                 precision)
+        args = (cfg, batch_size // dp // microbatches, seq_len // cp, tp, pp, s, microbatches, b,
+                flash_attention, recompute, sequence_parallel)
         kept_activations = (cost.moe_activation_bytes_per_rank(*args) if moe
                             else cost.activation_bytes_per_rank(*args, formula=activations))
         # what the way of attending keeps beyond a block of S/cp positions (0 for the ring)
         kept_activations += cp_attention_activation_bytes_per_rank(
-            cfg, batch_size // dp // microbatches, seq_len, cp, tp, pp, s, microbatches, cp_attention, b,
-            flash_attention, recompute, sequence_parallel, "moe" if moe else activations)
-        kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b, grad_bytes=b,
-                    sequence_parallel=sequence_parallel, recompute=recompute)
+            cfg, batch_size // dp // microbatches, seq_len, cp, tp, pp, s, microbatches,
+            cp_attention, b, flash_attention, recompute, sequence_parallel, "moe" if moe
+            else activations)
+        kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b,
+                    grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute)
         if moe:
             sent = cost.ep_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, ep, **kept)
         else:
@@ -125,8 +140,9 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
     states, kept_activations = stages[worst][0], stages[worst][1]
-    time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel, zero or 3,
-                          precision, sequence_parallel, recompute, cp=cp, ep=ep, cp_attention=cp_attention)
+    time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel,
+                          zero or 3, precision, sequence_parallel, recompute, cp=cp, ep=ep,
+                          cp_attention=cp_attention)
     dims = (*reversed(AXES), "cp") + (("ep",) if moe else ())  # tp, pp, dp (fastest first), cp
     return {
         "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "cp_attention": cp_attention,
@@ -144,19 +160,20 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     }
 
 
-def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8, batch_size: int | None = None,
-         seq_len: int | None = None, data_parallel: str = "fsdp", zero: int | None = None,
-         precision: str = "bf16", micro_batch: int = 1, flash_attention: bool = True, recompute=False,
-         include_unfit: bool = False, sequence_parallel: bool = False, device: cost.Device = cost.H100,
-         cp: int = 1, ep: int = 1, refused: list | None = None, activations: str = "llama",
+def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int = 8,
+         batch_size: int | None = None, seq_len: int | None = None, data_parallel: str = "fsdp",
+         zero: int | None = None, precision: str = "bf16", micro_batch: int = 1,
+         flash_attention: bool = True, recompute=False, include_unfit: bool = False,
+         sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1,
+         refused: list | None = None, activations: str = "llama",
          cp_attention: str = "ring") -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
-    batch_size: global batch in sequences (default: one per GPU, or per cp GPUs); seq_len: default the model's
-    ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
-    ``minitp.cost.activation_bytes_per_rank``; activations: how a block's are counted (``plan_layout``);
-    device: whose FLOP/s and links time the step;
+    batch_size: global batch in sequences (default: one per GPU, or per cp GPUs); seq_len: default
+    the model's ``max_seq_len``. flash_attention / recompute / sequence_parallel: see
+    ``minitp.cost.activation_bytes_per_rank``; activations: how a block's are counted
+    (``plan_layout``); device: whose FLOP/s and links time the step;
     cp: context parallel degree, fixed: the layouts are those of gpus/cp (see ``plan_layout``);
     cp_attention: its way of attending, "ring", "ulysses" or "allgather" (``plan_layout``; Ulysses
     refuses the layouts whose tp leaves a number of heads cp does not divide).
@@ -173,11 +190,14 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     check_positive("cp", cp)
     check_divisible("gpus", gpus, "cp", cp)
     check_cp_attention(cp_attention)
-    if activations not in cost.activations.FORMULAS:  # said once here, not as a refusal of every layout
-        raise ValueError(f"activations must be one of {', '.join(map(repr, cost.activations.FORMULAS))}, "
-                         f"got {activations!r}")
+    # said once here, not as a refusal of every layout
+    if activations not in cost.activations.FORMULAS:
+        raise ValueError(
+            f"activations must be one of {', '.join(map(repr, cost.activations.FORMULAS))}, "
+            f"got {activations!r}")
     if cost.check_ep(cfg, ep):
-        check_divisible("gpus", gpus, "ep", ep, ": the experts are split over ep of the data-parallel GPUs")
+        check_divisible("gpus", gpus, "ep", ep,
+                        ": the experts are split over ep of the data-parallel GPUs")
     batch_size = batch_size or gpus // cp
     seq_len = seq_len or cfg.max_seq_len
     if cp > 1:
@@ -186,9 +206,9 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     rows = []
     for dp, pp, tp in candidate_layouts(gpus // cp, gpus_per_node):
         try:
-            row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision, micro_batch,
-                              flash_attention, recompute, sequence_parallel, device, cp, ep, activations,
-                              cp_attention)
+            row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision,
+                              micro_batch, flash_attention, recompute, sequence_parallel, device,
+                              cp, ep, activations, cp_attention)
         except ValueError as e:
             if refused is not None:
                 refused.append((dp, pp, tp, str(e)))
@@ -198,7 +218,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
             rows.append(row)
     # fitting first; then the fastest predicted step, then fewest bytes between machines (pp and dp)
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 12),
-                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"] + r["bytes_per_step"]["cp"]
+                             r["bytes_per_step"]["pp"] + r["bytes_per_step"]["dp"]
+                             + r["bytes_per_step"]["cp"]
                              + r["bytes_per_step"].get("ep", 0.0),
                              r["bytes_per_step"]["tp"]))
     return rows
@@ -221,9 +242,9 @@ def candidate_layouts(n: int, gpus_per_node: int) -> list[tuple[int, int, int]]:
 
 def why_no_layout(refused: list, gpus: int, batch_size: int | None, cp: int = 1, ep: int = 1,
                   micro_batch: int = 1) -> str:
-    """One line saying why no layout of ``gpus`` GPUs is possible, from what ``plan`` appended to its
-    ``refused`` list: the rule that excludes them all when one does (ep must divide dp·cp and dp the
-    batch), else the reasons the layouts were refused, the most common first."""
+    """One line saying why no layout of ``gpus`` GPUs is possible, from what ``plan`` appended to
+    its ``refused`` list: the rule that excludes them all when one does (ep must divide dp·cp and dp
+    the batch), else the reasons the layouts were refused, the most common first."""
     head = f"no layout of {gpus} GPUs is possible for this model and batch"
     n = gpus // cp
     batch_size = batch_size or n
@@ -232,9 +253,10 @@ def why_no_layout(refused: list, gpus: int, batch_size: int | None, cp: int = 1,
         allowed = [dp for dp in divisors(n) if dp % step == 0]
         if allowed and not any(batch_size % (dp * micro_batch) == 0 for dp in allowed):
             dp_cp = "dp" if cp == 1 else f"dp·cp = dp·{cp}"
-            return (f"{head}: ep={ep} must divide {dp_cp} (each expert's ranks lie among the data-parallel ones), "
-                    f"so dp is {' or '.join(map(str, allowed))}, but batch_size={batch_size} splits into no such "
-                    f"number of replicas (it needs a multiple of {allowed[0] * micro_batch} sequences)")
+            return (f"{head}: ep={ep} must divide {dp_cp} (each expert's ranks lie among the "
+                    f"data-parallel ones), so dp is {' or '.join(map(str, allowed))}, but "
+                    f"batch_size={batch_size} splits into no such number of replicas (it needs a "
+                    f"multiple of {allowed[0] * micro_batch} sequences)")
     reasons: dict[str, list[str]] = {}
     for dp, pp, tp, why in refused:
         reasons.setdefault(why, []).append(f"dp={dp} pp={pp} tp={tp}")
@@ -246,17 +268,19 @@ def why_no_layout(refused: list, gpus: int, batch_size: int | None, cp: int = 1,
 
 
 ACTIVATION_NOTES = {  # format_plan's footer, by plan's ``activations``
-    "llama": "each block's saved tensors as minitp's LLaMA block keeps them (cost.llama_block_activation_bytes)",
-    "llama-regather": "minitp's LLaMA block with the column-parallel inputs gathered again in backward",
+    "llama": "each block's saved tensors as minitp's LLaMA block keeps them "
+             "(cost.llama_block_activation_bytes)",
+    "llama-regather": "minitp's LLaMA block with the column-parallel inputs gathered again in "
+                      "backward",
     "gpt3": "Korthikanti et al.'s count for GPT-3's block (a LLaMA block keeps more)",
     "moe": "an estimate of the MoE block (cost.moe_block_activation_bytes)",
 }
 
 
 def format_plan(rows: list[dict], title: str = "") -> str:
-    """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column, the
-    way attention crosses it (ring, ulysses or allgather) and its bytes when the layouts split sequences;
-    an ep column and the all-to-alls' bytes when they split experts)."""
+    """The table ``minitp plan`` prints: memory per GPU in GiB, bytes per step in MiB (a cp column,
+    the way attention crosses it (ring, ulysses or allgather) and its bytes when the layouts split
+    sequences; an ep column and the all-to-alls' bytes when they split experts)."""
     lines = [title] if title else []
     if not rows:
         return "\n".join(lines + ["no layout of these GPUs is possible for this model and batch"])
@@ -264,9 +288,12 @@ def format_plan(rows: list[dict], title: str = "") -> str:
     ep = any(r.get("ep", 1) > 1 for r in rows)
     lines.append(f"{'dp':>4} {'pp':>3} {'tp':>3} " + (f"{'cp':>3} {'attention':>9} " if cp else "")
                  + (f"{'ep':>3} " if ep else "")
-                 + f"{'zero':>4}  {'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}  {'tp MiB/step':>11} "
-                 f"{'pp MiB/step':>11} {'dp MiB/step':>11}  " + (f"{'cp MiB/step':>11}  " if cp else "")
-                 + (f"{'ep MiB/step':>11}  " if ep else "") + f"{'bubble':>6}  {'step s':>7} {'MFU':>5}  fits")
+                 + f"{'zero':>4}  {'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}  "
+                 f"{'tp MiB/step':>11} {'pp MiB/step':>11} {'dp MiB/step':>11}  "
+                 + (f"{'cp MiB/step':>11}  " if cp else "") + (f"{'ep MiB/step':>11}  " if ep
+                                                               else "") + f"{'bubble':>6} "
+                                                                          f" {'step s':>7} "
+                                                                          f"{'MFU':>5}  fits")
     for r in rows:
         b = r["bytes_per_step"]
         lines.append(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>3} "
@@ -274,15 +301,17 @@ def format_plan(rows: list[dict], title: str = "") -> str:
                      + (f"{r.get('ep', 1):>3} " if ep else "")
                      + f"{r['zero'] if r['zero'] is not None else '-':>4}  "
                      f"{r['memory_states'] / GIB:>10.2f} {r['memory']['activations'] / GIB:>10.2f} "
-                     f"{r['memory_total'] / GIB:>9.2f}  {b['tp'] / 2**20:>11.1f} {b['pp'] / 2**20:>11.1f} "
+                     f"{r['memory_total'] / GIB:>9.2f}  {b['tp'] / 2**20:>11.1f} "
+                     f"{b['pp'] / 2**20:>11.1f} "
                      f"{b['dp'] / 2**20:>11.1f}  " + (f"{b['cp'] / 2**20:>11.1f}  " if cp else "")
                      + (f"{b.get('ep', 0.0) / 2**20:>11.1f}  " if ep else "")
                      + f"{r['bubble_fraction']:>6.3f}  {r['step_s']:>7.2f} "
                      f"{r['mfu']:>5.1%}  {'yes' if r['fits'] else 'no'}")
-    lines.append("states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
-                 f"activations: under 1F1B, {ACTIVATION_NOTES[rows[0].get('activation_formula', 'llama')]}; "
-                 "bytes: what the busiest rank sends per step; "
-                 f"step and MFU: predicted on {rows[0]['device']} (minitp.cost.step_time)")
+    lines.append(
+        "states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
+        f"activations: under 1F1B, {ACTIVATION_NOTES[rows[0].get('activation_formula', 'llama')]}; "
+        "bytes: what the busiest rank sends per step; "
+        f"step and MFU: predicted on {rows[0]['device']} (minitp.cost.step_time)")
     return "\n".join(lines)
 
 
@@ -292,9 +321,11 @@ def markdown_table(rows: list[dict]) -> str:
     cp = any(r.get("cp", 1) > 1 for r in rows)
     ep = any(r.get("ep", 1) > 1 for r in rows)
     head = ("| dp | pp | tp | " + ("cp | cp attention | " if cp else "") + ("ep | " if ep else "")
-            + "ZeRO | states GiB | activations GiB | total GiB | tp MiB/step | pp MiB/step | dp MiB/step | "
-            + ("cp MiB/step | " if cp else "") + ("ep MiB/step | " if ep else "") + "bubble | step s | MFU | fits |")
-    lines = [head, "|" + "---:|" * 3 + ("---:|:---|" if cp else "") + "---:|" * (10 + cp + 2 * ep) + ":---:|"]
+            + "ZeRO | states GiB | activations GiB | total GiB | tp MiB/step | pp MiB/step | dp "
+              "MiB/step | " + ("cp MiB/step | " if cp else "") + ("ep MiB/step | " if ep else "")
+              + "bubble | step s | MFU | fits |")
+    lines = [head, "|" + "---:|" * 3 + ("---:|:---|" if cp else "") + "---:|" * (10 + cp + 2 * ep)
+             + ":---:|"]
     for r in rows:
         b = r["bytes_per_step"]
         lines.append(f"| {r['dp']} | {r['pp']} | {r['tp']} | "
@@ -302,7 +333,8 @@ def markdown_table(rows: list[dict]) -> str:
                      + (f"{r.get('ep', 1)} | " if ep else "")
                      + f"{r['zero'] if r['zero'] is not None else '-'} | "
                      f"{r['memory_states'] / GIB:.2f} | {r['memory']['activations'] / GIB:.2f} | "
-                     f"{r['memory_total'] / GIB:.2f} | {b['tp'] / 2**20:.1f} | {b['pp'] / 2**20:.1f} | "
+                     f"{r['memory_total'] / GIB:.2f} | {b['tp'] / 2**20:.1f} | "
+                     f"{b['pp'] / 2**20:.1f} | "
                      f"{b['dp'] / 2**20:.1f} | " + (f"{b['cp'] / 2**20:.1f} | " if cp else "")
                      + (f"{b.get('ep', 0.0) / 2**20:.1f} | " if ep else "")
                      + f"{r['bubble_fraction']:.3f} | {r['step_s']:.2f} | {r['mfu']:.1%} | "
@@ -312,6 +344,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 # the ways of keeping activations a learner picks from (``minitp.viz.explore.plan_explorer``):
 # name -> (recompute, sequence_parallel, activations) of ``plan``
-ACTIVATIONS = {"replicated norms": (False, False, "llama"), "sequence parallel": (False, True, "llama"),
+ACTIVATIONS = {"replicated norms": (False, False, "llama"),
+               "sequence parallel": (False, True, "llama"),
                "sequence parallel, gathered again": (False, True, "llama-regather"),
                "full recomputation": (True, False, "llama")}

@@ -19,13 +19,13 @@ ZB-H1 are four pure functions of (p, m[, v]); ``simulate`` plays any of them wit
 one (``pp/backward/mb3``; under interleaving the labels add ``/piece5``, the sender's piece); the
 events carry the same as fields (``Event.phase``, ``microbatch``, ``chunk``: the sender's). Sends
 are ``isend`` (waited on at the end of the step); receives are ``irecv``, all posted as the step
-starts (or ``recv_ahead`` actions ahead) and waited on when the action needs them. Every rank knows every rank's
-table, so it posts its receives from a neighbour in the order that neighbour sends them: messages
-between two ranks are matched first to first, however forwards, backwards and chunks interleave.
-A rank only ever waits for what its next action needs, so a table that ``simulate`` plays to the
-end cannot deadlock. Blocking sends could: in 1F1B's steady state rank s sends an activation to
-s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo: a message whose
-receive is already posted is written at once by the sender; otherwise gloo's background thread
+starts (or ``recv_ahead`` actions ahead) and waited on when the action needs them. Every rank knows
+every rank's table, so it posts its receives from a neighbour in the order that neighbour sends
+them: messages between two ranks are matched first to first, however forwards, backwards and chunks
+interleave. A rank only ever waits for what its next action needs, so a table that ``simulate``
+plays to the end cannot deadlock. Blocking sends could: in 1F1B's steady state rank s sends an
+activation to s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo: a message
+whose receive is already posted is written at once by the sender; otherwise gloo's background thread
 hands it over later (+0.2 ms a message at 2 ranks here).
 
 Zero-bubble's B and W: ``WeightGradients`` gives every ``nn.Linear`` of the stage a backward that
@@ -75,11 +75,11 @@ from minitp.pp_schedules import (
     zero_bubble_h1,
 )
 
-__all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineStage", "Schedule", "StagePieces", "StageSpec", "StepRecord",
-           "Timeline", "WeightGradients",
-           "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "needs", "one_f_one_b",
-           "peak_in_flight", "replay", "simulate", "split_microbatches", "splits_weight_gradient", "stage_blocks",
-           "zero_bubble_h1"]
+__all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineStage", "Schedule", "StagePieces",
+           "StageSpec", "StepRecord", "Timeline", "WeightGradients",
+           "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "needs",
+           "one_f_one_b", "peak_in_flight", "replay", "simulate", "split_microbatches",
+           "splits_weight_gradient", "stage_blocks", "zero_bubble_h1"]
 
 
 
@@ -103,8 +103,9 @@ class PipelineStage(nn.Module):
         self.output = model.output if self.is_last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        # context parallel (``minitp.cp.Context``: ``size``, ``positions(n)``, ``attend``): this rank holds
-        # S of the cp·S positions of each sequence, RoPE rotates them by theirs, attention is the ring
+        # context parallel (``minitp.cp.Context``: ``size``, ``positions(n)``, ``attend``): this
+        # rank holds S of the cp·S positions of each sequence, RoPE rotates them by theirs,
+        # attention is the ring
         self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,8 +115,10 @@ class PipelineStage(nn.Module):
             h = self.run_blocks(h)
         else:
             pos = self.context.positions(x.shape[1]).to(h.device)
-            h = self.run_blocks(h, seq_len=x.shape[1] * self.context.size, positions=pos, attend=self.context.attend)
-        return self.output(self.norm(h)) if self.is_last else h  # last: logits (b, S, V); else (b, S, D)
+            h = self.run_blocks(h, seq_len=x.shape[1] * self.context.size, positions=pos,
+                                attend=self.context.attend)
+        # last: logits (b, S, V); else (b, S, D)
+        return self.output(self.norm(h)) if self.is_last else h
 
 
 @dataclass(frozen=True)
@@ -139,20 +142,23 @@ class StageSpec:
     num_stages: int
     # the pieces: embedding on the first stage, its blocks, norm + output on the last
     module: nn.Module = field(repr=False)
-    # one micro-batch forward: (b, S) tokens or (b, S, D) -> (b, S, D); on the last stage -> (b, S, V)
+    # one micro-batch forward: (b, S) tokens or (b, S, D) -> (b, S, D); on the last stage -> (b, S,
+    # V)
     forward: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
     dim: int  # D of the (b, S, D) messages
     dtype: torch.dtype  # of the activations sent forward and of the gradients sent back
     device: torch.device  # where the stage computes and its messages land
 
     @classmethod
-    def of(cls, module: PipelineStage, forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StageSpec:
+    def of(cls, module: PipelineStage, forward: Callable[[torch.Tensor],
+                                                         torch.Tensor] | None = None) -> StageSpec:
         """Describe ``module``'s stage: dtype and device from its parameters (read them before a
         wrapper such as FSDP takes the parameters over), D from the model's config."""
         param = next(module.parameters(), None)
         if param is None:
-            raise ValueError(f"stage {module.stage} holds no parameter to read a dtype and device from; "
-                             "describe the stage before wrapping it")
+            raise ValueError(
+                f"stage {module.stage} holds no parameter to read a dtype and device from; "
+                "describe the stage before wrapping it")
         return cls(module.stage, module.num_stages, module, forward or module, module.config.dim,
                    param.dtype, param.device)
 
@@ -208,8 +214,10 @@ class Pipeline:
     order, whatever the interleaving of forwards and backwards, chunks and micro-batches.
     """
 
-    def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b", microbatches: int = 4,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn, recv_ahead: int | None = None,
+    def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b",
+                 microbatches: int = 4, loss: Callable[[torch.Tensor, torch.Tensor],
+                                                       torch.Tensor] = _loss_fn,
+                                                       recv_ahead: int | None = None,
                  virtual_stages: int = 1, context=None):
         comm.name_group(group, "pp", unless_named=True)  # its messages' Event.dim
         self.ranks = comm.group_ranks(group)
@@ -220,17 +228,22 @@ class Pipeline:
             raise ValueError("interleaving needs at least 2 ranks in the pipeline group, got 1")
         if isinstance(model, StageSpec):
             if v != 1:
-                raise ValueError(f"a StageSpec describes one chunk; virtual_stages={v} needs the plain model")
+                raise ValueError(
+                    f"a StageSpec describes one chunk; virtual_stages={v} needs the plain model")
             if (model.index, model.num_stages) != (self.stage, p):
-                raise ValueError(f"the stage given is stage {model.index} of {model.num_stages}, but this rank "
-                                 f"is stage {self.stage} of the {p} ranks of its pipeline group")
+                raise ValueError(
+                    f"the stage given is stage {model.index} of {model.num_stages}, but this rank "
+                    f"is stage {self.stage} of the {p} ranks of its pipeline group")
             self.chunks = [model]
         else:  # chunk c is piece c·p + rank of the p·v pieces
-            self.chunks = [StageSpec.of(PipelineStage(model, c * p + self.stage, p * v, context)) for c in range(v)]
-        self.module = self.chunks[0].module if v == 1 else StagePieces([c.module for c in self.chunks])
+            self.chunks = [StageSpec.of(PipelineStage(model, c * p + self.stage, p * v, context))
+                           for c in range(v)]
+        self.module = self.chunks[0].module if v == 1 else StagePieces(
+            [c.module for c in self.chunks])
         self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, v
         self.actions = self.table[self.stage]
-        self.weights = WeightGradients(self.module) if splits_weight_gradient(self.actions) else None
+        self.weights = WeightGradients(
+            self.module) if splits_weight_gradient(self.actions) else None
         self.group, self.loss, self.recv_ahead = group, loss, recv_ahead
 
     # the global rank that holds piece k, and the label of the message a piece's action sends
@@ -239,10 +252,12 @@ class Pipeline:
 
     def _label(self, kind: str, microbatch: int, piece: int) -> str:
         direction = "forward" if kind == "F" else "backward"
-        return f"pp/{direction}/mb{microbatch}" + (f"/piece{piece}" if self.virtual_stages > 1 else "")
+        return f"pp/{direction}/mb{microbatch}" + (f"/piece{piece}" if self.virtual_stages > 1
+                                                   else "")
 
     def _tags(self, kind: str, microbatch: int, piece: int) -> dict:
-        """The fields of that message's events (``trace.tagged``): phase, micro-batch, the sender's chunk."""
+        """The fields of that message's events (``trace.tagged``): phase, micro-batch, the sender's
+        chunk."""
         return {"phase": "forward" if kind == "F" else "backward", "microbatch": microbatch,
                 "chunk": piece // self.num_stages}
 
@@ -250,7 +265,8 @@ class Pipeline:
     def spec(self) -> StageSpec:
         """This rank's stage description; with virtual stages it holds several (``chunks``)."""
         if self.virtual_stages != 1:
-            raise AttributeError(f"this rank holds {self.virtual_stages} chunks: read Pipeline.chunks")
+            raise AttributeError(
+                f"this rank holds {self.virtual_stages} chunks: read Pipeline.chunks")
         return self.chunks[0]
 
     def parameters(self):
@@ -270,8 +286,10 @@ class Pipeline:
         xs, ys = split_microbatches(tokens, m), split_microbatches(targets, m)
         b, S = xs[0].shape  # micro-batch (b, S), b = B/m
         receives = _Receives(self, b, S)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> what the chunk's forward read
-        outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> its output (the loss, last piece)
+        # (chunk, mb) -> what the chunk's forward read
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        # (chunk, mb) -> its output (the loss, last piece)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
         held: set[tuple[int, int]] = set()  # activations kept for a backward (and a W) still to run
         sends, timeline, peak, total = [], [], 0, 0.0
         tr = _trace.current()
@@ -280,7 +298,8 @@ class Pipeline:
             chunk, piece = self.chunks[c], c * p + self.stage
             receives.post_ahead(j)
             if a.kind == "F":
-                x = xs[i] if piece == 0 else receives.take(j).requires_grad_()  # (b, S) or (b, S, D)
+                # (b, S) or (b, S, D)
+                x = xs[i] if piece == 0 else receives.take(j).requires_grad_()
                 if self.weights is not None:
                     self.weights.key = (c, i)
                 start = time.perf_counter()
@@ -299,9 +318,11 @@ class Pipeline:
                 peak = max(peak, len(held))
             elif a.kind == "B":
                 x, y = inputs.pop((c, i)), outputs.pop((c, i))
-                grad = None if piece == last_piece else receives.take(j)  # (b, S, D): d loss / d our output
+                # (b, S, D): d loss / d our output
+                grad = None if piece == last_piece else receives.take(j)
                 start = time.perf_counter()
-                torch.autograd.backward(y, grad)  # x.grad, and .grad of the weights unless W is apart
+                # x.grad, and .grad of the weights unless W is apart
+                torch.autograd.backward(y, grad)
                 end = time.perf_counter()
                 if piece > 0:
                     with _trace.tagged(**self._tags("B", i, piece)):
@@ -317,11 +338,13 @@ class Pipeline:
             timeline.append((a, start, end))
             if tr is not None:
                 op = {"F": "forward", "B": "backward", "W": "weight"}[a.kind]
-                tr.add(_trace.Event(tr.rank, "compute", op, tr.label(f"mb{i}" + (f"/chunk{c}" if v > 1 else "")),
-                                    start, end, phase=op, microbatch=i, chunk=c))
+                tr.add(_trace.Event(tr.rank, "compute", op,
+                                    tr.label(f"mb{i}" + (f"/chunk{c}" if v > 1 else "")), start,
+                                    end, phase=op, microbatch=i, chunk=c))
         for handle, _ in sends:
             handle.wait()
-        return StepRecord(total if self.stage == p - 1 else None, timeline, peak)  # the last piece is on rank p-1
+        # the last piece is on rank p-1
+        return StepRecord(total if self.stage == p - 1 else None, timeline, peak)
 
 
 class _Receives:
@@ -362,7 +385,8 @@ class _Receives:
             sender_piece = chunk * pipe.num_stages + pipe.stage + (1 if kind == "B" else -1)
             buffer = pipe.chunks[chunk].boundary_buffer(*self.shape)  # (b, S, D)
             with _trace.tagged(**pipe._tags(kind, mb, sender_piece)):
-                handle = comm.irecv(buffer, pipe.ranks[q], pipe.group, label=pipe._label(kind, mb, sender_piece))
+                handle = comm.irecv(buffer, pipe.ranks[q], pipe.group,
+                                    label=pipe._label(kind, mb, sender_piece))
             self.posted[kind, chunk, mb] = (handle, buffer)
             self.next_post[q] += 1
 
@@ -384,7 +408,7 @@ class _Receives:
         return buffer
 
 
-# -- extras: interleaving's pieces, zero-bubble's weight gradients -------------------------------------
+# -- extras: interleaving's pieces, zero-bubble's weight gradients ---------------------------------
 class StagePieces(nn.Module):
     """The chunks a rank holds under interleaving (pieces r, r+p, ...), as one module with the plain
     model's names, so the rank's state dict is still a slice of the plain model's."""
@@ -397,7 +421,7 @@ class StagePieces(nn.Module):
         self.output = next((c.output for c in chunks if c.is_last), None)
 
 
-# -- the weight gradient apart (zero-bubble's W) ----------------------------------------------------
+# -- the weight gradient apart (zero-bubble's W) ---------------------------------------------------
 class _LinearDeferringWeight(torch.autograd.Function):
     """y = x Wᵀ whose backward gives the input gradient g W at once and leaves (x, g) with
     ``stash`` for the weight gradient gᵀ x, computed later by ``WeightGradients.run``."""
@@ -416,7 +440,8 @@ class _LinearDeferringWeight(torch.autograd.Function):
 
 
 class WeightDeferringLinear(nn.Module):
-    """A bias-free linear layer whose weight gradient waits for zero-bubble's W (``WeightGradients``)."""
+    """A bias-free linear layer whose weight gradient waits for zero-bubble's W
+    (``WeightGradients``)."""
 
     def __init__(self, weight: nn.Parameter, weights: WeightGradients):
         super().__init__()
@@ -435,19 +460,22 @@ class WeightGradients:
     under the same name, as tensor parallel replaces layers: the rank owns its stage."""
 
     def __init__(self, module: nn.Module):
-        self.pending: dict[tuple[int, int], list] = {}  # (chunk, micro-batch) -> [(x, grad, weight)]
+        # (chunk, micro-batch) -> [(x, grad, weight)]
+        self.pending: dict[tuple[int, int], list] = {}
         self.key: tuple[int, int] | None = None  # the (chunk, micro-batch) whose forward runs now
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:  # not subclasses with their own forward
                     if child.bias is not None:
-                        raise ValueError("zero-bubble's weight split handles linear layers without bias only")
+                        raise ValueError(
+                            "zero-bubble's weight split handles linear layers without bias only")
                     parent.add_module(name, WeightDeferringLinear(child.weight, self))
 
     def linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not linear.weight.is_leaf:  # e.g. a view into FSDP's gathered flat parameter
-            raise ValueError("zero-bubble's W writes .grad of each linear weight, which must be a parameter of its "
-                             "own (a leaf tensor); this one is a view (FSDP?): use DDP, or another schedule")
+            raise ValueError("zero-bubble's W writes .grad of each linear weight, which must be a "
+                             "parameter of its own (a leaf tensor); this one is a view (FSDP?): "
+                             "use DDP, or another schedule")
         return _LinearDeferringWeight.apply(x, linear.weight, self, self.key)
 
     @torch.no_grad()  # .grad may be a view into a data-parallel bucket: add into it in place

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 
 class Action(NamedTuple):
-    kind: str  # "F" forward, "B" backward (input gradient only when the schedule has W), "W" weight gradient
+    # "F" forward, "B" backward (input gradient only when the schedule has W), "W" weight gradient
+    kind: str
     microbatch: int
     chunk: int = 0  # which of the rank's pieces (interleaved); 0 otherwise
 
@@ -87,7 +88,8 @@ def interleaved_1f1b(num_stages: int, microbatches: int, virtual_stages: int = 2
         raise ValueError(f"interleaved 1F1B needs microbatches to be a multiple of the stages: "
                          f"microbatches={m} is not divisible by pp={p}")
 
-    def nth(k: int, backward: bool) -> tuple[int, int]:  # the k-th forward (or backward): (mb, chunk)
+    # the k-th forward (or backward): (mb, chunk)
+    def nth(k: int, backward: bool) -> tuple[int, int]:
         group, within = divmod(k, p * v)
         chunk = within // p
         return group * p + within % p, (v - 1 - chunk if backward else chunk)
@@ -127,13 +129,15 @@ def zero_bubble_h1(num_stages: int, microbatches: int) -> Schedule:
     return out
 
 
-# -- one schedule, one entry: what the runtime, the cost model, the reports, the CLI and figures read ----
+# -- one schedule, one entry: what the runtime, the cost model, the reports, the CLI and figures
+# read ----
 class ScheduleEntry(NamedTuple):
     name: str
     table: Callable[..., Schedule]  # (p, m) -> every rank's actions; (p, m, v) with chunks
     bubble: Callable[[int, int, int], float]  # (p, m, v) -> idle share of a step with equal stages
     bubble_words: str  # the same, as the reports print it
-    peak_in_flight: Callable[[int, int, int, int], int]  # (p, m, stage, v) -> activation sets held at once
+    # (p, m, stage, v) -> activation sets held at once
+    peak_in_flight: Callable[[int, int, int, int], int]
     chunks: bool  # takes virtual_stages v >= 2
 
 
@@ -147,8 +151,9 @@ SCHEDULES: dict[str, ScheduleEntry] = {e.name: e for e in (
                   lambda p, m, s, v: m, False),
     ScheduleEntry("1f1b", one_f_one_b, lambda p, m, v: (p - 1) / (m + p - 1), "(p-1)/(m+p-1)",
                   lambda p, m, s, v: min(p - s, m), False),
-    ScheduleEntry("interleaved", interleaved_1f1b, lambda p, m, v: (p - 1) / (v * m + p - 1), "(p-1)/(v·m+p-1)",
-                  lambda p, m, s, v: min(2 * (p - s - 1) + (v - 1) * p + 1, v * m), True),
+    ScheduleEntry("interleaved", interleaved_1f1b, lambda p, m, v: (p - 1) / (v * m + p - 1),
+                  "(p-1)/(v·m+p-1)", lambda p, m, s, v: min(2 * (p - s - 1) + (v - 1) * p + 1,
+                                                            v * m), True),
     ScheduleEntry("zb", zero_bubble_h1, _zb_bubble, "(p-1)/(3m+p-1) with F=B=W",
                   lambda p, m, s, v: min(p, m), False),
 )}
@@ -160,16 +165,20 @@ def schedule_entry(name: str) -> ScheduleEntry:
     return SCHEDULES[name]
 
 
-def make_schedule(name: str, num_stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The table of schedule ``name``; ``virtual_stages`` (chunks per rank) only for "interleaved"."""
+def make_schedule(name: str, num_stages: int, microbatches: int,
+                  virtual_stages: int = 1) -> Schedule:
+    """The table of schedule ``name``; ``virtual_stages`` (chunks per rank) only for
+    "interleaved"."""
     entry = schedule_entry(name)
     if entry.chunks:
         if not isinstance(virtual_stages, int) or virtual_stages < 2:
-            raise ValueError(f"interleaved 1F1B needs virtual_stages >= 2 (chunks per rank), got {virtual_stages!r}")
+            raise ValueError("interleaved 1F1B needs virtual_stages >= 2 (chunks per rank), got "
+                             f"{virtual_stages!r}")
         return entry.table(num_stages, microbatches, virtual_stages)
     if virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} is for the interleaved schedule; {name!r} runs one "
-                         "chunk per rank (virtual_stages=1)")
+        raise ValueError(
+            f"virtual_stages={virtual_stages} is for the interleaved schedule; {name!r} runs one "
+            "chunk per rank (virtual_stages=1)")
     return entry.table(num_stages, microbatches)
 
 
@@ -207,14 +216,17 @@ def simulate(schedule: Schedule, forward_time: Times = 1.0, backward_time: Times
              weight_time: Times | None = None) -> list[Timeline]:
     """Play a schedule with fixed compute times and free messages: each rank runs its actions in
     order, each as soon as its input is there. Piece k = chunk·p + rank: F of piece k waits for
-    F of piece k-1; B of piece k for B of piece k+1 (the last piece: for its own F); W for its own B.
+    F of piece k-1; B of piece k for B of piece k+1 (the last piece: for its own F); W for its own
+    B.
 
     Times are per action of one chunk (a float, or one per rank, e.g. measured). ``backward_time``
     is a whole backward; where a schedule splits it, B and W take ``backward_time - weight_time``
     and ``weight_time`` (half each when ``weight_time`` is None). Raises if the schedule deadlocks.
     """
     p = len(schedule)
-    fwd, bwd, wgt = _per_rank(forward_time, p), _per_rank(backward_time, p), _per_rank(weight_time, p)
+    fwd = _per_rank(forward_time, p)
+    bwd = _per_rank(backward_time, p)
+    wgt = _per_rank(weight_time, p)
     cost = []
     for s in range(p):
         split = splits_weight_gradient(schedule[s])
@@ -233,7 +245,8 @@ def replay(timelines: list[Timeline], message_s: float = 0.0, gap_s: float = 0.0
     arrives that long after its action ends) and ``gap_s`` (a rank's own time between two actions)
     put the hand-over's measured costs back in."""
     schedule = [[a for a, _, _ in t] for t in timelines]
-    return _play(schedule, lambda s, j, a: timelines[s][j][2] - timelines[s][j][1], message_s, gap_s)
+    return _play(schedule, lambda s, j, a: timelines[s][j][2] - timelines[s][j][1], message_s,
+                 gap_s)
 
 
 def needs(a: Action, piece: int, last_piece: int) -> tuple[str, int, int] | None:
@@ -274,8 +287,10 @@ def _play(schedule: Schedule, duration: Callable[[int, int, Action], float], mes
                 position[s] += 1
                 progressed = True
         if not progressed:
-            waiting = {s: schedule[s][position[s]] for s in range(p) if position[s] < len(schedule[s])}
-            raise ValueError(f"the schedule deadlocks: each stage waits for another, next actions {waiting}")
+            waiting = {s: schedule[s][position[s]] for s in range(p)
+                       if position[s] < len(schedule[s])}
+            raise ValueError(
+                f"the schedule deadlocks: each stage waits for another, next actions {waiting}")
     return timelines
 
 

@@ -4,7 +4,8 @@ context and expert parallel read as the textbook does and gradients come out rig
 * Megatron's f and g: ``copy_to_parallel`` (identity forward, all-reduce backward) and
   ``reduce_from_parallel`` (all-reduce forward, identity backward);
 * ``gather_from_parallel`` / ``split_to_parallel``: all-gather one way, keep a slice the other;
-* sequence parallel's pair: all-gather the positions forward / reduce-scatter backward, and the reverse;
+* sequence parallel's pair: all-gather the positions forward / reduce-scatter backward, and the
+  reverse;
 * ``all_to_all_rows``: rows to other ranks forward, their gradients back the same way backward.
 
 Every message goes through ``minitp.comm``, so it is traced like any other, with its phase
@@ -23,7 +24,8 @@ from minitp import trace as _trace
 def _split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n, r = comm.group_size(group), comm.group_rank(group)
     if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
     return x.chunk(n, dim=dim)[r].contiguous()
 
 
@@ -91,7 +93,8 @@ class _SplitToParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with _trace.tagged(phase="backward"):
-            return _gather_along(grad, ctx.dim, ctx.group, ctx.label + "/split.backward"), None, None, None
+            return _gather_along(grad, ctx.dim, ctx.group,
+                                 ctx.label + "/split.backward"), None, None, None
 
 
 def copy_to_parallel(x: torch.Tensor, group=None, label: str = "tp") -> torch.Tensor:
@@ -104,12 +107,15 @@ def reduce_from_parallel(x: torch.Tensor, group=None, label: str = "tp") -> torc
     return _ReduceFromParallel.apply(x, group, label)
 
 
-def gather_from_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str = "tp") -> torch.Tensor:
-    """All-gather shards along ``dim`` (forward); backward keeps this rank's slice of the gradient."""
+def gather_from_parallel(x: torch.Tensor, group=None, dim: int = -1,
+                         label: str = "tp") -> torch.Tensor:
+    """All-gather shards along ``dim`` (forward); backward keeps this rank's slice of the
+    gradient."""
     return _GatherFromParallel.apply(x, group, dim, label)
 
 
-def split_to_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str = "tp") -> torch.Tensor:
+def split_to_parallel(x: torch.Tensor, group=None, dim: int = -1,
+                      label: str = "tp") -> torch.Tensor:
     """Keep this rank's slice along ``dim`` (forward); backward all-gathers the gradient."""
     return _SplitToParallel.apply(x, group, dim, label)
 
@@ -119,7 +125,8 @@ def split_to_parallel(x: torch.Tensor, group=None, dim: int = -1, label: str = "
 def _reduce_scatter_along(x: torch.Tensor, dim: int, group, label: str) -> torch.Tensor:
     n = comm.group_size(group)
     if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} is not divisible by group size {n}")
     chunks = torch.stack(x.chunk(n, dim=dim))  # (n, *chunk): rank i keeps the sum of row i
     out = torch.empty_like(chunks[0])
     comm.reduce_scatter(out.view(-1), chunks.view(-1), group=group, label=label)
@@ -155,26 +162,30 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     def forward(ctx, x, group, dim, label):
         ctx.group, ctx.dim, ctx.label = group, dim, label
         with _trace.tagged(phase="forward"):
-            return _reduce_scatter_along(x.contiguous(), dim, group, label + "/sequence_scatter.forward")
+            return _reduce_scatter_along(x.contiguous(), dim, group,
+                                         label + "/sequence_scatter.forward")
 
     @staticmethod
     def backward(ctx, grad):
         with _trace.tagged(phase="backward"):
-            return _gather_along(grad, ctx.dim, ctx.group, ctx.label + "/sequence_scatter.backward"), None, None, None
+            return _gather_along(grad, ctx.dim, ctx.group,
+                                 ctx.label + "/sequence_scatter.backward"), None, None, None
 
 
-def gather_from_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1, label: str = "tp") -> torch.Tensor:
+def gather_from_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1,
+                                  label: str = "tp") -> torch.Tensor:
     """Sequence parallel's f: all-gather the positions along ``dim``; backward reduce-scatters."""
     return _GatherFromSequenceParallel.apply(x, group, dim, label)
 
 
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1, label: str = "tp") -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1,
+                                        label: str = "tp") -> torch.Tensor:
     """Sequence parallel's g: sum partial results and keep this rank's positions along ``dim``;
     backward all-gathers the gradient."""
     return _ReduceScatterToSequenceParallel.apply(x, group, dim, label)
 
 
-# -- the all-to-all of rows (expert parallel's dispatch and combine; Ulysses) -----------------------
+# -- the all-to-all of rows (expert parallel's dispatch and combine; Ulysses) ----------------------
 class _AllToAll(torch.autograd.Function):
     """all_to_all of rows forward; backward sends the gradients back the way the rows came."""
 
@@ -183,7 +194,8 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.label = (output_splits, input_splits), group, label
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         with _trace.tagged(phase="forward"):
-            comm.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group, label=label)
+            comm.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group,
+                            label=label)
         return out
 
     @staticmethod
@@ -198,6 +210,7 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None,
                     label: str = "ep") -> torch.Tensor:
-    """Send ``input_splits[j]`` rows of x (A, D) to rank j of the group, receive ``output_splits[i]``
-    from rank i -> (sum(output_splits), D); autograd-aware (backward is the reverse all-to-all)."""
+    """Send ``input_splits[j]`` rows of x (A, D) to rank j of the group, receive
+    ``output_splits[i]`` from rank i -> (sum(output_splits), D); autograd-aware (backward is the
+    reverse all-to-all)."""
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group, label)

@@ -57,10 +57,11 @@ class GradientSync:
 
 
 @torch.no_grad()
-def all_reduce_mean(grads: list[torch.Tensor], group, divide_by: int, label: str, divide_first: bool = True) -> None:
-    """Sum ``grads`` over ``group`` in one flat all-reduce and divide them by ``divide_by``, in place
-    (flatten, all-reduce, copy back: one message instead of one per tensor). ``divide_first``: divide
-    before the sum (as DDP does) or after it; the two round differently in the last bit."""
+def all_reduce_mean(grads: list[torch.Tensor], group, divide_by: int, label: str,
+                    divide_first: bool = True) -> None:
+    """Sum ``grads`` over ``group`` in one flat all-reduce and divide them by ``divide_by``, in
+    place (flatten, all-reduce, copy back: one message instead of one per tensor). ``divide_first``:
+    divide before the sum (as DDP does) or after it; the two round differently in the last bit."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -77,5 +78,6 @@ def all_reduce_mean(grads: list[torch.Tensor], group, divide_by: int, label: str
 
 def used_by_no_rank(averaged: torch.Tensor) -> bool:
     """Did every rank send -0.0 for every element, i.e. did no rank use this parameter? (-0.0 stays
-    -0.0 through the division by n and a sum of -0.0 alone; any rank's 0.0 or value makes it not.)"""
+    -0.0 through the division by n and a sum of -0.0 alone; any rank's 0.0 or value makes it
+    not.)"""
     return not averaged.any() and bool(averaged.signbit().all())

@@ -53,7 +53,8 @@ _INBOXES: dict = {}
 
 
 def _inboxes(pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Two buffers shaped like ``pieces``, the same ones each call with the same shapes (the last size only)."""
+    """Two buffers shaped like ``pieces``, the same ones each call with the same shapes (the last
+    size only)."""
     key = tuple((p.shape, p.dtype, p.device) for p in pieces)
     if key not in _INBOXES:
         _INBOXES.clear()
@@ -78,7 +79,8 @@ def ring_all_gather_(chunks: list[torch.Tensor], group=None, label: str = "ring"
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, label: str = "ring",
-                    record: list | None = None, sub_chunk_bytes: int = SUB_CHUNK_BYTES) -> torch.Tensor:
+                    record: list | None = None,
+                    sub_chunk_bytes: int = SUB_CHUNK_BYTES) -> torch.Tensor:
     """Sum ``tensor`` over the group in place with a ring (reduce-scatter, then all-gather).
 
     Equal to ``comm.all_reduce(tensor)`` (up to the order of floating-point additions), built only
@@ -101,10 +103,12 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, label: str = "ring",
     if record is not None:
         record.append({"phase": "start", "step": 0, "sent": None, "received": None, "to": None,
                        "from": None, "tensor": tensor.detach().clone()})
-    steps = 2 * (n - 1)  # reduce-scatter, then all-gather; at step s chunk (r-s) leaves, (r-s-1) comes
+    # reduce-scatter, then all-gather; at step s chunk (r-s) leaves, (r-s-1) comes
+    steps = 2 * (n - 1)
     # Two inboxes of sub-chunks, used in turn by the reduce-scatter steps: step s fills one while
     # step s-1's is being added from. Kept for the next call of the same size: fresh ones cost the
-    # kernel's zeroing of their pages at first touch (5 % of a 16 MB all-reduce on 4 ranks, measured).
+    # kernel's zeroing of their pages at first touch (5 % of a 16 MB all-reduce on 4 ranks,
+    # measured).
     inbox = _inboxes(pieces[0])
     sends: list[list[comm.Handle]] = []
 
@@ -123,7 +127,8 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, label: str = "ring",
 
     def send(s, j):
         name, t = phase(s)
-        sends[s].append(comm.isend(pieces[(r - s) % n][j], right, group=group, label=f"{label}/{name}/step{t}"))
+        sends[s].append(comm.isend(pieces[(r - s) % n][j], right, group=group,
+                                   label=f"{label}/{name}/step{t}"))
 
     # Receives are posted a step ahead, so the left neighbour never waits on us; not when recording,
     # since an all-gather receive lands in the tensor itself and a snapshot would catch it early.
@@ -143,12 +148,14 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, label: str = "ring",
         for j in range(k):
             incoming[j].wait()
             if name == "reduce_scatter":
-                arrived[j].add_(inbox[s % 2][j][:arrived[j].numel()])  # add the partial sum from the left
+                # add the partial sum from the left
+                arrived[j].add_(inbox[s % 2][j][:arrived[j].numel()])
             if s + 1 < steps:
                 send(s + 1, j)  # this sub-chunk goes on while the next ones are still arriving
         if record is not None:
-            record.append({"phase": name, "step": t, "sent": (r - s) % n, "received": (r - s - 1) % n,
-                           "to": right, "from": left, "tensor": tensor.detach().clone()})
+            record.append({"phase": name, "step": t, "sent": (r - s) % n,
+                           "received": (r - s - 1) % n, "to": right, "from": left,
+                           "tensor": tensor.detach().clone()})
     for handles in sends:
         for handle in handles:
             handle.wait()
@@ -164,7 +171,8 @@ def _equal_chunks(big: torch.Tensor, small: torch.Tensor, n: int, what: str) -> 
     return list(big.view(-1).chunk(n))
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, label: str = "ring") -> torch.Tensor:
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
+                    label: str = "ring") -> torch.Tensor:
     """``comm.all_gather`` from sends and receives: rank i's ``input`` lands in chunk i of
     ``output`` on every rank. Each rank sends (n-1)/n * B, B being the bytes of ``output``."""
     n, r = comm.group_size(group), comm.group_rank(group)

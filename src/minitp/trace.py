@@ -47,7 +47,8 @@ class Event:
 
     rank: int
     kind: str  # "comm" or "compute"
-    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, or a compute name
+    # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, or a compute name
+    op: str
     label: str  # where it came from, e.g. "ddp/bucket3" or "backward/layers.1"
     start: float  # time.perf_counter() seconds on the recording process
     end: float
@@ -59,9 +60,11 @@ class Event:
     bytes: int = 0
     sent_bytes: float = 0.0
     # where in the run it happened (set with ``tagged`` by the code that sent it; see the top)
-    phase: str = ""  # "forward", "backward", "weight", "step", "init", "state_dict", ...; "" if not said
+    # "forward", "backward", "weight", "step", "init", "state_dict", ...; "" if not said
+    phase: str = ""
     microbatch: int | None = None  # a pipeline's micro-batch
-    chunk: int | None = None  # a pipeline's model chunk on its rank (``Action.chunk``); a message: the sender's
+    # a pipeline's model chunk on its rank (``Action.chunk``); a message: the sender's
+    chunk: int | None = None
     unit: str = ""  # an FSDP unit ("root", "layers.1")
     step: int | None = None  # a training step
     ring_step: int | None = None  # a step round a ring (ring attention: whose block is held)
@@ -120,7 +123,8 @@ class Trace:
         return replace(event, **missing) if missing else event
 
     def add(self, event: Event) -> Event:
-        """Record ``event`` (stamped); returns the recorded event, whose end a caller may still set."""
+        """Record ``event`` (stamped); returns the recorded event, whose end a caller may still
+        set."""
         event = self.stamp(event)
         self.events.append(event)
         return event
@@ -128,7 +132,8 @@ class Trace:
     @contextmanager
     def span(self, name: str, label: str = "") -> Iterator[Event]:
         """Time a piece of compute: ``with trace.span("backward", "layers.1"): ...``."""
-        event = Event(self.rank, "compute", name, self.label(label), time.perf_counter(), 0.0, **self.tags())
+        event = Event(self.rank, "compute", name, self.label(label), time.perf_counter(), 0.0,
+                      **self.tags())
         try:
             yield event
         finally:
@@ -139,7 +144,8 @@ class Trace:
     def comm(self) -> list[Event]:
         return [e for e in self.events if e.kind == "comm"]
 
-    def sent_bytes(self, label_prefix: str = "", dim: str | None = None, *, scope: str | None = None) -> float:
+    def sent_bytes(self, label_prefix: str = "", dim: str | None = None, *,
+                   scope: str | None = None) -> float:
         """Bytes this rank sent (ring model), over events whose label starts with the prefix and,
         when ``dim`` is given, that went through a group of that mesh dimension; when ``scope`` is
         given, only those recorded inside a ``scope`` of that name (``Event.scopes``)."""
@@ -196,7 +202,8 @@ def tagged(**tags) -> Iterator[None]:
     two set the same field the inner one wins. The fields: ``TAGS``."""
     unknown = sorted(set(tags) - set(TAGS))
     if unknown:
-        raise TypeError(f"tagged() got {', '.join(unknown)}; the fields it sets are {', '.join(TAGS)}")
+        raise TypeError(
+            f"tagged() got {', '.join(unknown)}; the fields it sets are {', '.join(TAGS)}")
     trace = current()
     if trace is None:
         yield
@@ -219,7 +226,7 @@ def span(name: str, label: str = "") -> Iterator[Event | None]:
         yield event
 
 
-# -- the payload model: bytes one rank puts on the wire for one call -----------------------------------
+# -- the payload model: bytes one rank puts on the wire for one call -------------------------------
 def collective_sent_bytes(op: str, nbytes: int, n: int, position: int = 0,
                           kept_bytes: float | None = None) -> float:
     """Bytes one rank sends for one call of ``op`` on a buffer of ``nbytes`` over ``n`` ranks (ring
@@ -276,7 +283,8 @@ def sent_bytes_per_rank(traces: Iterable[Trace], label_prefix: str = "", dim: st
     """Bytes each rank sent, in rank order (only through groups of mesh dimension ``dim`` if given;
     only under a label prefix if given; only inside a ``scope`` of that name if given, as the
     exercises do to single out the learner's answer)."""
-    return [t.sent_bytes(label_prefix, dim, scope=scope) for t in sorted(traces, key=lambda t: t.rank)]
+    return [t.sent_bytes(label_prefix, dim, scope=scope)
+            for t in sorted(traces, key=lambda t: t.rank)]
 
 
 def sent_bytes_by_dim(traces: Iterable[Trace]) -> list[dict[str, float]]:

@@ -21,8 +21,8 @@ send / recv        B / 0
 =================  ======================  ============================================
 
 Headers and the backend's own choice of algorithm are not counted: the numbers are a model of the
-payload that a recorded call implies (``collective_sent_bytes``, which ``minitp.trace`` records with every
-message), so traced totals compare exactly with the formulas of the modules below.
+payload that a recorded call implies (``collective_sent_bytes``, which ``minitp.trace`` records with
+every message), so traced totals compare exactly with the formulas of the modules below.
 
 Memory is counted as the bytes a rank **holds between steps**, right after the optimizer step
 with gradients still held: parameters, gradients and optimizer state (AdamW: two fp32 moments per
@@ -32,8 +32,9 @@ The formulas live in six modules, each importing only those before it (at the to
 they read in this order: ``strategies`` (DDP, FSDP, tensor and pipeline parallel, each alone)
 → ``activations`` (what autograd keeps) → ``threed`` (a rank of the dp × pp × tp mesh) → ``context``
 (ring attention; the dp·cp·pp·tp mesh) → ``experts`` (MoE and the all-to-alls) → ``time`` (FLOPs and
-messages in seconds). Nothing here reads a file or the environment: this machine's calibration is read
-by ``minitp.measure.calibrate`` and comes in as a ``Device``. Every public name is re-exported here.
+messages in seconds). Nothing here reads a file or the environment: this machine's calibration is
+read by ``minitp.measure.calibrate`` and comes in as a ``Device``. Every public name is re-exported
+here.
 """
 
 from __future__ import annotations
@@ -136,32 +137,34 @@ from minitp.trace import collective_sent_bytes  # the payload model, recorded wi
 
 __all__ = [
     # strategies: one collective, and each strategy alone
-    "DTYPE_BYTES", "collective_sent_bytes", "ddp_step_bytes", "ddp_run_bytes", "memory_per_rank", "total_memory",
-    "fsdp_step_bytes", "fsdp_run_bytes", "fsdp_memory_per_rank", "fsdp_gathered_peak_bytes", "tp_region_bytes",
-    "tp_mlp_bytes", "tp_block_bytes", "tp_params_per_rank", "tp_memory_per_rank", "tp_mlp_params_per_rank",
-    "pp_step_bytes", "pp_run_bytes", "pp_stage_params", "pp_memory_per_rank", "pp_bubble_fraction",
+    "DTYPE_BYTES", "collective_sent_bytes", "ddp_step_bytes", "ddp_run_bytes", "memory_per_rank",
+    "total_memory", "fsdp_step_bytes", "fsdp_run_bytes", "fsdp_memory_per_rank",
+    "fsdp_gathered_peak_bytes", "tp_region_bytes", "tp_mlp_bytes", "tp_block_bytes",
+    "tp_params_per_rank", "tp_memory_per_rank", "tp_mlp_params_per_rank", "pp_step_bytes",
+    "pp_run_bytes", "pp_stage_params", "pp_memory_per_rank", "pp_bubble_fraction",
     "pp_peak_microbatches_in_flight",
     # activations
-    "recompute_mode", "block_activation_bytes", "llama_block_activation_bytes", "activation_bytes_per_rank",
-    "tiny_block_activation_bytes",
+    "recompute_mode", "block_activation_bytes", "llama_block_activation_bytes",
+    "activation_bytes_per_rank", "tiny_block_activation_bytes",
     "kv_cache_bytes", "attention_weight_shapes",
     # threed
-    "rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank", "threed_step_bytes",
-    "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes",
+    "rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank",
+    "threed_step_bytes", "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes",
     # context
-    "cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes", "cp_memory_per_rank",
-    "allgather_attention_bytes",
-    "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank", "cp3d_step_bytes", "cp_mesh_step_bytes",
-    "ulysses_attention_bytes",
+    "cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
+    "cp_memory_per_rank", "allgather_attention_bytes",
+    "cp_activation_bytes_per_rank", "cp_attention_flops_per_rank", "cp3d_step_bytes",
+    "cp_mesh_step_bytes", "ulysses_attention_bytes",
     # experts
-    "COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes", "ep3d_run_bytes",
-    "moe_param_split", "ep_params_per_rank", "ep_memory_per_rank", "moe_all_to_all_bytes", "active_params",
-    "ep_stage_unit_numels", "ep_mesh_memory_per_rank", "ep_mesh_step_bytes", "moe_block_activation_bytes",
-    "expected_nodes_per_token", "moe_internode_bytes", "moe_activation_bytes_per_rank",
+    "COUNT_BYTES", "check_ep", "tokens_between_ranks", "ep_layer_bytes", "ep_run_bytes",
+    "ep3d_run_bytes", "moe_param_split", "ep_params_per_rank", "ep_memory_per_rank",
+    "moe_all_to_all_bytes", "active_params", "ep_stage_unit_numels", "ep_mesh_memory_per_rank",
+    "ep_mesh_step_bytes", "moe_block_activation_bytes", "expected_nodes_per_token",
+    "moe_internode_bytes", "moe_activation_bytes_per_rank",
     # time
-    "Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
-    "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
-    "arithmetic_intensity", "overlap_budget_bytes",
+    "Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
+    "training_flops_per_token", "recompute_flops_per_token", "compute_time", "collective_time",
+    "links_of_layout", "StepTime", "step_time", "arithmetic_intensity", "overlap_budget_bytes",
     # from minitp.layout
     "check_3d_layout", "num_buckets", "padded_numel", "stage_num_blocks",
 ]

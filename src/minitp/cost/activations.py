@@ -5,7 +5,8 @@ Part of ``minitp.cost`` (re-exported there); builds on ``minitp.cost.strategies`
 * ``llama_block_activation_bytes``: what a LLaMA block (RMSNorm, RoPE, grouped-query attention,
   SwiGLU) keeps, tensor by tensor, as ``minitp.models`` builds it. With
   ``flash_attention=False`` and fp32 it is exactly what the tiny model saves
-  (``tiny_block_activation_bytes``, checked against saved-tensor hooks by ``minitp.measure.activations``).
+  (``tiny_block_activation_bytes``, checked against saved-tensor hooks by
+  ``minitp.measure.activations``).
 
 * ``block_activation_bytes``: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", Table 2), in 16-bit, per block and micro-batch of b sequences of s tokens,
@@ -30,22 +31,26 @@ from __future__ import annotations
 from minitp.cost.strategies import pp_peak_microbatches_in_flight
 from minitp.layout import check_tp_config, stage_num_blocks
 
-__all__ = ["recompute_mode", "block_activation_bytes", "llama_block_activation_bytes", "activation_bytes_per_rank",
-           "tiny_block_activation_bytes", "kv_cache_bytes", "attention_weight_shapes"]
+__all__ = ["recompute_mode", "block_activation_bytes", "llama_block_activation_bytes",
+           "activation_bytes_per_rank", "tiny_block_activation_bytes", "kv_cache_bytes",
+           "attention_weight_shapes"]
 
 
 def recompute_mode(recompute) -> str:
-    """``recompute`` as one of "none", "selective", "full" (False and True read as none and full)."""
+    """``recompute`` as one of "none", "selective", "full" (False and True read as none and
+    full)."""
     mode = {False: "none", True: "full", None: "none"}.get(recompute, recompute)
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     return mode
 
 
-def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
-                           recompute="none", flash_attention: bool = True, dtype_bytes: int = 2) -> float:
+def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1,
+                           sequence_parallel: bool = False, recompute="none",
+                           flash_attention: bool = True, dtype_bytes: int = 2) -> float:
     """Korthikanti's bytes one block keeps for one micro-batch on one rank (table above), scaled by
-    ``dtype_bytes``/2. recompute: "none", "selective" or "full" (False / True read as none / full)."""
+    ``dtype_bytes``/2. recompute: "none", "selective" or "full" (False / True read as none /
+    full)."""
     recompute = recompute_mode(recompute)
     s, b, d = seq, micro_batch, cfg.dim
     if recompute == "full":
@@ -57,16 +62,17 @@ def block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequenc
     return per_block * dtype_bytes / 2
 
 
-def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
-                                 recompute="none", flash_attention: bool = True, dtype_bytes: int = 2,
+def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1,
+                                 sequence_parallel: bool = False, recompute="none",
+                                 flash_attention: bool = True, dtype_bytes: int = 2,
                                  repeat_kv: bool = True, regather: bool = False) -> int:
-    """The bytes one LLaMA block of ``minitp.models`` keeps for backward on one tensor-parallel rank,
-    tensor by tensor (N = b·s tokens, D, F, H heads; p = tp under sequence parallel, else 1):
+    """The bytes one LLaMA block of ``minitp.models`` keeps for backward on one tensor-parallel
+    rank, tensor by tensor (N = b·s tokens, D, F, H heads; p = tp under sequence parallel, else 1):
 
     * each of the two RMSNorms: its input, its normalised output (before the weight) and 1/rms per
       position, (2·N·D + N)/p; then the full (N, D) input of the column-parallel linears, N·D
-      (under sequence parallel the all-gathered one, as minitp keeps it; ``regather``: only its N·D/p
-      slice, gathered again in backward, as Megatron-LM does);
+      (under sequence parallel the all-gathered one, as minitp keeps it; ``regather``: only its
+      N·D/p slice, gathered again in backward, as Megatron-LM does);
     * attention: q and the heads' output, 2·N·D/t; k and v after RoPE, 2·N·D/t when repeated to the
       H query heads (``repeat_kv``, as minitp does), 2·N·H_kv·Dh/t when a kernel reads the shared
       heads; without FlashAttention the softmax b·(H/t)·s² and the causal mask, s² bytes (with it,
@@ -89,47 +95,57 @@ def llama_block_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1, s
     return kept
 
 
-FORMULAS = ("llama", "llama-regather", "gpt3")  # activation_bytes_per_rank's ways of counting a block
+# activation_bytes_per_rank's ways of counting a block
+FORMULAS = ("llama", "llama-regather", "gpt3")
 
 
 def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int, stage: int,
                               microbatches: int, dtype_bytes: int = 2, flash_attention: bool = True,
-                              recompute=False, sequence_parallel: bool = False, formula: str = "gpt3") -> float:
+                              recompute=False, sequence_parallel: bool = False,
+                              formula: str = "gpt3") -> float:
     """The activations a rank keeps for backward under 1F1B: one block's (``formula``: "gpt3",
     Korthikanti et al.'s ``block_activation_bytes``; "llama", ``llama_block_activation_bytes``, its
-    attention reading the shared key/value heads (no repeated copies, as kernels at scale do); "llama-regather",
-    the same with the column-parallel inputs gathered again in backward) times the stage's blocks, times
-    the micro-batches in flight (min(pp - stage, m)). recompute: False / "none", "selective" or True / "full"."""
+    attention reading the shared key/value heads (no repeated copies, as kernels at scale do);
+    "llama-regather", the same with the column-parallel inputs gathered again in backward) times the
+    stage's blocks, times the micro-batches in flight (min(pp - stage, m)). recompute: False /
+    "none", "selective" or True / "full"."""
     if formula not in FORMULAS:
-        raise ValueError(f"formula must be one of {', '.join(map(repr, FORMULAS))}, got {formula!r}")
+        raise ValueError(
+            f"formula must be one of {', '.join(map(repr, FORMULAS))}, got {formula!r}")
     args = (cfg, micro_batch, seq, tp, sequence_parallel, recompute, flash_attention, dtype_bytes)
     if formula == "gpt3":
         per_block = block_activation_bytes(*args)
     else:
-        per_block = llama_block_activation_bytes(*args, repeat_kv=False, regather=formula == "llama-regather")
-    in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")  # min(pp - stage, m)
+        per_block = llama_block_activation_bytes(*args, repeat_kv=False,
+                                                 regather=formula == "llama-regather")
+    # min(pp - stage, m)
+    in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
 
 
-def tiny_block_activation_bytes(cfg, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False,
-                                recompute: bool = False, dtype_bytes: int = 4) -> int:
-    """Exactly the bytes one block of ``minitp.models`` saves for backward on one tensor-parallel rank
-    as it runs here (fp32, plain attention, K and V repeated to H heads):
-    ``llama_block_activation_bytes`` without FlashAttention; with ``recompute`` only the block's input."""
-    return llama_block_activation_bytes(cfg, batch, seq, tp, sequence_parallel, "full" if recompute else "none",
+def tiny_block_activation_bytes(cfg, batch: int, seq: int, tp: int = 1,
+                                sequence_parallel: bool = False, recompute: bool = False,
+                                dtype_bytes: int = 4) -> int:
+    """Exactly the bytes one block of ``minitp.models`` saves for backward on one tensor-parallel
+    rank as it runs here (fp32, plain attention, K and V repeated to H heads):
+    ``llama_block_activation_bytes`` without FlashAttention; with ``recompute`` only the block's
+    input."""
+    return llama_block_activation_bytes(cfg, batch, seq, tp, sequence_parallel, "full" if recompute
+                                        else "none",
                                         flash_attention=False, dtype_bytes=dtype_bytes)
 
 
 def attention_weight_shapes(cfg, tp: int = 1) -> dict[str, tuple[int, int]]:
     """(in, out) of W_Q, W_K, W_V, W_O on one tensor-parallel rank. Grouped-query attention: K and V
-    have n_kv_heads heads, each read by n_heads/n_kv_heads query heads, so W_K and W_V are D × (H_kv·Dh);
-    tp splits the heads (query and key/value alike), hence tp must divide n_kv_heads."""
+    have n_kv_heads heads, each read by n_heads/n_kv_heads query heads, so W_K and W_V are D ×
+    (H_kv·Dh); tp splits the heads (query and key/value alike), hence tp must divide n_kv_heads."""
     check_tp_config(cfg, tp)
     q, kv = cfg.n_heads * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp
     return {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim)}
 
 
 def kv_cache_bytes(cfg, tokens: int, batch: int = 1, tp: int = 1, dtype_bytes: int = 2) -> float:
-    """Bytes of the KV cache one rank holds for ``batch`` sequences of ``tokens`` positions: keys and
-    values, every layer, its n_kv_heads/tp heads of head_dim each: 2·L·(H_kv/tp)·Dh·b per token."""
+    """Bytes of the KV cache one rank holds for ``batch`` sequences of ``tokens`` positions: keys
+    and values, every layer, its n_kv_heads/tp heads of head_dim each: 2·L·(H_kv/tp)·Dh·b per
+    token."""
     return 2 * cfg.n_layers * cfg.kv_heads // tp * cfg.head_dim * dtype_bytes * tokens * batch

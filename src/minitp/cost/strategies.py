@@ -1,10 +1,10 @@
 """One strategy at a time: the bytes and memory of data parallel (DDP), fully sharded data parallel
 (ZeRO / FSDP), tensor parallel and pipeline parallel.
 
-The first of ``minitp.cost``'s modules: it imports none of the others (the notation, and the table of
-what each collective sends, are in the package's docstring). Each call of a collective is counted with
-the payload model the trace records on every message, ``minitp.trace.collective_sent_bytes``. The
-modules after this one compose these formulas: the 3D mesh, context and expert parallel, time.
+The first of ``minitp.cost``'s modules: it imports none of the others (the notation, and the table
+of what each collective sends, are in the package's docstring). Each call of a collective is counted
+with the payload model the trace records on every message, ``minitp.trace.collective_sent_bytes``.
+The modules after this one compose these formulas: the 3D mesh, context and expert parallel, time.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def ddp_step_bytes(num_params: int, world_size: int, grad_bytes: int = 4) -> flo
 
 
 def ddp_run_bytes(num_params: int, world_size: int, steps: int, rank: int,
-                  param_bytes: int = 4, grad_bytes: int = 4, broadcast_at_init: bool = True) -> float:
+                  param_bytes: int = 4, grad_bytes: int = 4,
+                  broadcast_at_init: bool = True) -> float:
     """Bytes ``rank`` sends over a DDP run: the start-up broadcast of the parameters from rank 0
     (a chain: every rank but the last forwards Ψ·b), then ``steps`` gradient all-reduces.
 
@@ -31,7 +32,8 @@ def ddp_run_bytes(num_params: int, world_size: int, steps: int, rank: int,
     """
     total = steps * ddp_step_bytes(num_params, world_size, grad_bytes)
     if broadcast_at_init:
-        total += collective_sent_bytes("broadcast", num_params * param_bytes, world_size, position=rank)
+        total += collective_sent_bytes("broadcast", num_params * param_bytes, world_size,
+                                       position=rank)
     return total
 
 
@@ -68,23 +70,27 @@ def total_memory(memory: dict[str, float]) -> float:
     return memory["params"] + memory["grads"] + memory["optimizer"]
 
 
-# -- fully sharded data parallel (ZeRO) -------------------------------------------------------------
+# -- fully sharded data parallel (ZeRO) ------------------------------------------------------------
 # A model is cut into units (minitp.fsdp); unit u has p_u parameters, laid out flat and padded with
 # zeros to P_u = ceil(p_u / n) * n, so that each of the n ranks holds an equal shard of P_u / n.
-# Every formula below counts the padded sizes: Ψ_pad = Σ_u P_u (equal to Ψ when n divides every p_u).
-# Per step, with b_p the bytes of a gathered parameter (4 fp32, 2 bf16) and b_r of a reduced
+# Every formula below counts the padded sizes: Ψ_pad = Σ_u P_u (equal to Ψ when n divides every
+# p_u). Per step, with b_p the bytes of a gathered parameter (4 fp32, 2 bf16) and b_r of a reduced
 # gradient (4: minitp always sums gradients over ranks in fp32), each rank sends:
 #
-#   ZeRO-1  reduce-scatter of each unit's gradient after backward, optimizer step on the shard, all-gather
-#           of the updated shard:   Σ_u (n-1)/n · P_u · (b_r + b_p)    (= DDP's all-reduce when b_r = b_p)
+#   ZeRO-1  reduce-scatter of each unit's gradient after backward, optimizer step on the shard,
+# all-gather
+#           of the updated shard:   Σ_u (n-1)/n · P_u · (b_r + b_p)    (= DDP's all-reduce when b_r
+# = b_p)
 #   ZeRO-2  the same messages; the reduce-scatters go out during backward and free the full gradient
-#   ZeRO-3  all-gather in forward, again in backward if the unit was resharded after forward (never the
+#   ZeRO-3  all-gather in forward, again in backward if the unit was resharded after forward (never
+# the
 #           root, with which backward starts), reduce-scatter in backward:
 #           Σ_u (n-1)/n · P_u · (g_u · b_p + b_r),  g_u = 2 for a resharded unit, else 1  (1.5x DDP)
 
 
-def fsdp_step_bytes(unit_numels: list[int], world_size: int, zero: int = 3, reshard_after_forward: bool = True,
-                    param_bytes: int = 4, reduce_bytes: int = 4, root: bool = True) -> float:
+def fsdp_step_bytes(unit_numels: list[int], world_size: int, zero: int = 3,
+                    reshard_after_forward: bool = True, param_bytes: int = 4, reduce_bytes: int = 4,
+                    root: bool = True) -> float:
     """Bytes each rank sends in one training step of ZeRO stage ``zero`` (see the table above).
 
     unit_numels: parameters of each unit, unpadded (``minitp.fsdp.unit_numels``); with ``root``
@@ -113,7 +119,8 @@ def fsdp_run_bytes(unit_numels: list[int], world_size: int, steps: int, zero: in
     total = steps * fsdp_step_bytes(unit_numels, world_size, zero, reshard_after_forward,
                                     param_bytes, reduce_bytes, root)
     if state_dict:
-        total += sum(collective_sent_bytes("all_gather", padded_numel(p, world_size) * 4, world_size)
+        total += sum(collective_sent_bytes("all_gather", padded_numel(p, world_size) * 4,
+                                           world_size)
                      for p in unit_numels)
     return total
 
@@ -125,7 +132,8 @@ def fsdp_memory_per_rank(unit_numels: list[int], world_size: int, zero: int = 3,
     With Adam, per rank: fp32  ZeRO-1 8Ψ + 8Ψ/n,  ZeRO-2 4Ψ + 12Ψ/n,  ZeRO-3 16Ψ/n;
     bf16 mixed precision  ZeRO-1 4Ψ + 12Ψ/n,  ZeRO-2 2Ψ + 14Ψ/n,  ZeRO-3 16Ψ/n."""
     psi = sum(padded_numel(p, world_size) for p in unit_numels)
-    return memory_per_rank(psi, world_size, zero=zero, precision=precision, num_tensors=len(unit_numels))
+    return memory_per_rank(psi, world_size, zero=zero, precision=precision,
+                           num_tensors=len(unit_numels))
 
 
 def fsdp_gathered_peak_bytes(unit_numels: list[int], world_size: int, zero: int = 3,
@@ -148,7 +156,7 @@ def fsdp_gathered_peak_bytes(unit_numels: list[int], world_size: int, zero: int 
     return base + max(blocks)
 
 
-# -- tensor parallel ----------------------------------------------------------------------------------
+# -- tensor parallel -------------------------------------------------------------------------------
 # A = B·S·D·b: the bytes of one activation of the residual stream (batch B, sequence S, model dim D,
 # b bytes per element). Each rank sends, per training step (forward and backward):
 #
@@ -160,11 +168,12 @@ def fsdp_gathered_peak_bytes(unit_numels: list[int], world_size: int, zero: int 
 #                                                       (the norm weights' partial gradients)
 #   full recompute  + 2 all-reduces of A (forward again)  + 2 AG + 2 RS of A
 #   embedding    1 all-reduce of A (fwd)                1 RS (fwd) + 1 AG (bwd)
-#   output       1 all-reduce of A (f, bwd)             1 AG (fwd) + 1 RS (bwd), + D·b for the final norm
+#   output       1 all-reduce of A (f, bwd)             1 AG (fwd) + 1 RS (bwd), + D·b for the final
+# norm
 #   loss         all-reduces of B·S·4 (max) and 2·B·S·4 (sum of exps, target logit), fp32 either way
 #
-# (the whole model's, embedding, output and loss included: ``tp_step_bytes`` in ``minitp.cost.threed``, 3D's
-# tp part with one stage.)
+# (the whole model's, embedding, output and loss included: ``tp_step_bytes`` in
+# ``minitp.cost.threed``, 3D's tp part with one stage.)
 # A reduce-scatter plus an all-gather sends what an all-reduce sends: sequence parallel costs the
 # same bytes (plus the tiny norm gradients) and holds 1/tp of the activations between regions.
 # Parameters: every matrix is split over the ranks; the RMSNorm weights are replicated.
@@ -176,7 +185,8 @@ def tp_region_bytes(batch: int, seq: int, dim: int, tp: int, sequence_parallel: 
     direction under sequence parallel, the same bytes)."""
     a = batch * seq * dim * dtype_bytes
     if sequence_parallel:
-        return 2 * (collective_sent_bytes("all_gather", a, tp) + collective_sent_bytes("reduce_scatter", a, tp))
+        return 2 * (collective_sent_bytes("all_gather", a,
+                                          tp) + collective_sent_bytes("reduce_scatter", a, tp))
     return 2 * collective_sent_bytes("all_reduce", a, tp)
 
 
@@ -210,19 +220,22 @@ def tp_params_per_rank(cfg, tp: int) -> int:
     return (cfg.num_params() - replicated) // tp + replicated
 
 
-def tp_memory_per_rank(cfg, tp: int, precision: str = "fp32", num_tensors: int = 0) -> dict[str, float]:
+def tp_memory_per_rank(cfg, tp: int, precision: str = "fp32",
+                       num_tensors: int = 0) -> dict[str, float]:
     """Bytes one rank holds in parameters, gradients and AdamW state under tensor parallel: what
     ``memory_per_rank`` gives for this rank's own parameter count (nothing else is sharded)."""
-    return memory_per_rank(tp_params_per_rank(cfg, tp), 1, zero=0, precision=precision, num_tensors=num_tensors)
+    return memory_per_rank(tp_params_per_rank(cfg, tp), 1, zero=0, precision=precision,
+                           num_tensors=num_tensors)
 
 
 def tp_mlp_params_per_rank(dim: int, hidden: int, tp: int) -> int:
-    """Parameters one rank holds of a tensor-parallel SwiGLU MLP: w1, w3 (D·F/tp each), w2 (F/tp·D)."""
+    """Parameters one rank holds of a tensor-parallel SwiGLU MLP: w1, w3 (D·F/tp each), w2
+    (F/tp·D)."""
     check_divisible("hidden", hidden, "tp", tp)
     return 3 * dim * hidden // tp
 
 
-# -- pipeline parallel --------------------------------------------------------------------------------
+# -- pipeline parallel -----------------------------------------------------------------------------
 # p stages, the global batch B cut into m micro-batches of b = B/m sequences. A = b·S·D·bytes: one
 # micro-batch's activation where two stages meet. Per step, every boundary carries m activations
 # forward and m gradients (the same shape) backward, so each rank sends:
@@ -248,8 +261,8 @@ def pp_step_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, dtype_byt
     return float(a * (v - (stage == pp - 1)) + a * (v - (stage == 0))) if pp > 1 else 0.0
 
 
-def pp_run_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, steps: int, dtype_bytes: int = 4,
-                 virtual_stages: int = 1) -> float:
+def pp_run_bytes(batch: int, seq: int, dim: int, pp: int, stage: int, steps: int,
+                 dtype_bytes: int = 4, virtual_stages: int = 1) -> float:
     """Bytes a stage sends over ``steps`` steps (nothing at start-up: every rank builds the model
     from the same seed and keeps its own blocks)."""
     return steps * pp_step_bytes(batch, seq, dim, pp, stage, dtype_bytes, virtual_stages)
@@ -265,13 +278,14 @@ def pp_stage_params(cfg, blocks: int, first: bool, last: bool) -> int:
 
 def pp_memory_per_rank(cfg, blocks: int, first: bool, last: bool, precision: str = "fp32",
                        num_tensors: int = 0) -> dict[str, float]:
-    """Bytes one stage holds in parameters, gradients and AdamW state: ``memory_per_rank`` of its own
-    parameters (nothing is sharded within a stage)."""
-    return memory_per_rank(pp_stage_params(cfg, blocks, first, last), 1, zero=0, precision=precision,
-                           num_tensors=num_tensors)
+    """Bytes one stage holds in parameters, gradients and AdamW state: ``memory_per_rank`` of its
+    own parameters (nothing is sharded within a stage)."""
+    return memory_per_rank(pp_stage_params(cfg, blocks, first, last), 1, zero=0,
+                           precision=precision, num_tensors=num_tensors)
 
 
-def pp_bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+def pp_bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b",
+                       virtual_stages: int = 1) -> float:
     """The idle share of a step with equal stages.
 
     GPipe and 1F1B: (p-1)/(m+p-1): the step takes m+p-1 slots of one micro-batch's forward and
@@ -281,7 +295,8 @@ def pp_bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtu
     one F, since only B's travel back through the pipe (Qi et al. 2023); with m < p every stage
     also waits p-m more slots."""
     if pp < 1 or microbatches < 1:
-        raise ValueError(f"pp and microbatches must be >= 1, got pp={pp}, microbatches={microbatches}")
+        raise ValueError(
+            f"pp and microbatches must be >= 1, got pp={pp}, microbatches={microbatches}")
     return schedule_entry(schedule).bubble(pp, microbatches, virtual_stages)
 
 
@@ -289,6 +304,7 @@ def pp_peak_microbatches_in_flight(pp: int, microbatches: int, stage: int, sched
                                    virtual_stages: int = 1) -> int:
     """The most micro-batches whose activations a stage holds at once: GPipe all m; 1F1B at most
     p - stage (its warm-up forwards plus the one of the steady state), and never more than m.
-    Interleaved counts (micro-batch, chunk) sets, each 1/v of a stage's: its warm-up 2(p-s-1) + (v-1)p
-    plus one, at most v·m. ZB-H1 holds a micro-batch from F to W: p on every stage (at most m)."""
+    Interleaved counts (micro-batch, chunk) sets, each 1/v of a stage's: its warm-up 2(p-s-1) +
+    (v-1)p plus one, at most v·m. ZB-H1 holds a micro-batch from F to W: p on every stage (at most
+    m)."""
     return schedule_entry(schedule).peak_in_flight(pp, microbatches, stage, virtual_stages)

@@ -1,4 +1,5 @@
-"""Time: compute from FLOPs at a device's rate, messages by an α–β model per link, minus what overlaps.
+"""Time: compute from FLOPs at a device's rate, messages by an α–β model per link, minus what
+overlaps.
 
 Notation (as in ``minitp.cost``, plus):
 
@@ -7,26 +8,28 @@ Notation (as in ``minitp.cost``, plus):
   ``β``: its bandwidth, bytes per second **per direction** (what a ring uses: each rank sends to one
   neighbour while it receives from the other).
 
-Training costs about **6Ψ FLOPs per token** (2Ψ forward: one multiply-add per parameter; 4Ψ backward:
-the gradients of the activations and of the weights; Ψ the *active* parameters of a MoE, those a token
-goes through: its k experts of each layer, ``active_params``), plus attention's scores and weighted sum,
-**12·L·D·S per token** (2·2·S·D forward per layer and token, twice that backward; counted whole, as
-PaLM's MFU does, though a causal mask could skip half). MFU (model FLOPs utilisation) divides those
-model FLOPs by what the GPUs could have done in the step at their published peak; recomputation's
-extra forward is work the hardware does but the model does not count.
+Training costs about **6Ψ FLOPs per token** (2Ψ forward: one multiply-add per parameter; 4Ψ
+backward: the gradients of the activations and of the weights; Ψ the *active* parameters of a MoE,
+those a token goes through: its k experts of each layer, ``active_params``), plus attention's scores
+and weighted sum, **12·L·D·S per token** (2·2·S·D forward per layer and token, twice that backward;
+counted whole, as PaLM's MFU does, though a causal mask could skip half). MFU (model FLOPs
+utilisation) divides those model FLOPs by what the GPUs could have done in the step at their
+published peak; recomputation's extra forward is work the hardware does but the model does not
+count.
 
-A collective on a ring of n ranks takes (n-1) steps per phase (an all-reduce has two phases), each one
-message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point-to-point send takes α + B/β.
+A collective on a ring of n ranks takes (n-1) steps per phase (an all-reduce has two phases), each
+one message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point-to-point send takes
+α + B/β.
 
-The last of ``minitp.cost``'s modules: it times the bytes the others count. This machine's figures come
-in as a ``Device`` (``device_from_calibration`` of what ``minitp.measure.calibrate`` read); nothing here reads
-a file.
+The last of ``minitp.cost``'s modules: it times the bytes the others count. This machine's figures
+come in as a ``Device`` (``device_from_calibration`` of what ``minitp.measure.calibrate`` read);
+nothing here reads a file.
 
-**The hardware sheet.** ``H100`` and ``A100`` are the one place the course and the planner take a GPU's
-figures from: dense BF16 FLOP/s, HBM capacity and bandwidth, NVLink and InfiniBand bandwidth per GPU
-and **per direction**, each with its datasheet in a comment. Units: **GB is 10⁹ bytes, GiB 2³⁰**
-(GB/s 10⁹ bytes per second, Gb/s 10⁹ bits), everywhere in minitp. A datasheet's "80GB" of HBM is
-80 GiB: five stacks of 16 GiB each (the HBM3 of an H100 SXM, the HBM2e of an A100 SXM 80GB), so
+**The hardware sheet.** ``H100`` and ``A100`` are the one place the course and the planner take a
+GPU's figures from: dense BF16 FLOP/s, HBM capacity and bandwidth, NVLink and InfiniBand bandwidth
+per GPU and **per direction**, each with its datasheet in a comment. Units: **GB is 10⁹ bytes, GiB
+2³⁰** (GB/s 10⁹ bytes per second, Gb/s 10⁹ bits), everywhere in minitp. A datasheet's "80GB" of HBM
+is 80 GiB: five stacks of 16 GiB each (the HBM3 of an H100 SXM, the HBM2e of an A100 SXM 80GB), so
 ``memory_bytes`` is 80·2³⁰ = 85.9·10⁹ bytes (the driver keeps a little of it for itself). Link and
 memory bandwidths are decimal, as datasheets give them: 450 GB/s is 450·10⁹ bytes per second.
 """
@@ -43,10 +46,10 @@ from minitp.cost.strategies import collective_sent_bytes
 from minitp.cost.threed import rank_num_blocks
 from minitp.layout import CP_TILE, check_positive, cp_chunks
 
-__all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration", "training_flops_per_token",
-           "recompute_flops_per_token", "compute_time", "collective_time", "links_of_layout", "StepTime",
-           "step_time", "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops", "ring_ops", "moe_ops",
-           "link_on_machine"]
+__all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
+           "training_flops_per_token", "recompute_flops_per_token", "compute_time",
+           "collective_time", "links_of_layout", "StepTime", "step_time", "arithmetic_intensity",
+           "overlap_budget_bytes", "strategy_ops", "ring_ops", "moe_ops", "link_on_machine"]
 
 
 # -- devices -------------------------------------------------------------------------------------
@@ -65,14 +68,14 @@ class Device:
 
     flops_per_s: the dense rate at the training precision (published peak for the GPUs);
     efficiency: the share of it large matrix multiplies reach in practice (an assumption, not a
-    published figure: compute time is F / (flops_per_s · efficiency); MFU still divides by the peak);
-    intra / inter: the link inside one machine and between machines, per GPU, per direction;
+    published figure: compute time is F / (flops_per_s · efficiency); MFU still divides by the
+    peak); intra / inter: the link inside one machine and between machines, per GPU, per direction;
     memory_bytes / memory_bytes_per_s: the GPU's HBM, how much it holds and how fast it is read
-    (flops_per_s / memory_bytes_per_s is the arithmetic intensity above which a kernel is compute-bound);
-    overhead_s: what a step costs once beyond its FLOPs and its micro-batches (the optimizer's loop
-    over tensors, zeroing the gradients): measured by ``minitp calibrate`` as the tiny model's step
-    at one micro-batch less its FLOPs and its micro-batch's fixed cost; 0 for the GPU presets, whose
-    large kernels hide their launches (as for the three figures below);
+    (flops_per_s / memory_bytes_per_s is the arithmetic intensity above which a kernel is
+    compute-bound); overhead_s: what a step costs once beyond its FLOPs and its micro-batches (the
+    optimizer's loop over tensors, zeroing the gradients): measured by ``minitp calibrate`` as the
+    tiny model's step at one micro-batch less its FLOPs and its micro-batch's fixed cost; 0 for the
+    GPU presets, whose large kernels hide their launches (as for the three figures below);
     microbatch_overhead_s: what each forward+backward costs beyond its FLOPs (Python, autograd,
     a few hundred small operations): measured as the growth of the tiny model's step from one
     micro-batch to eight, per micro-batch added;
@@ -83,16 +86,16 @@ class Device:
     ranks), what messages cost when ranks wait for a core (``link_on_machine``); None: not measured;
     shared_slowdown: how many times slower the same compute ran at 2·cores ranks than at ``cores``
     ranks, measured beside ``shared_link`` (None: ranks/cores, the cores shared evenly).
-    busy_slowdown: how many times slower the tiny model's step ran with a rank on every core than on one
-    rank alone (caches, memory bandwidth, the cores' shared clock; None: not at all).
-    ddp_own_s / fsdp_own_s / tp_own_s: what minitp's DDP, FSDP (ZeRO-3) and tensor parallel add to each
-    forward+backward with their own code (hooks, autograd Functions, gathers and releases of units,
-    trace records), beyond the plain model and their collectives: measured by ``minitp calibrate`` at
-    one rank; 0 for the GPU presets.
-    cp_op_s / ep_op_s: what one operation ring attention / a MoE adds costs (``ring_ops``, ``moe_ops``),
-    measured by ``minitp calibrate`` at one rank as their forward+backward's growth over the plain
-    model's per operation added: their operations index, mask and scatter small tensors, and cost
-    about twice the plain model's average (``op_s``, used where these are 0).
+    busy_slowdown: how many times slower the tiny model's step ran with a rank on every core than on
+    one rank alone (caches, memory bandwidth, the cores' shared clock; None: not at all).
+    ddp_own_s / fsdp_own_s / tp_own_s: what minitp's DDP, FSDP (ZeRO-3) and tensor parallel add to
+    each forward+backward with their own code (hooks, autograd Functions, gathers and releases of
+    units, trace records), beyond the plain model and their collectives: measured by ``minitp
+    calibrate`` at one rank; 0 for the GPU presets.
+    cp_op_s / ep_op_s: what one operation ring attention / a MoE adds costs (``ring_ops``,
+    ``moe_ops``), measured by ``minitp calibrate`` at one rank as their forward+backward's growth
+    over the plain model's per operation added: their operations index, mask and scatter small
+    tensors, and cost about twice the plain model's average (``op_s``, used where these are 0).
     """
 
     name: str
@@ -104,12 +107,16 @@ class Device:
     efficiency: float = 1.0
     cores: int | None = None  # CPU only: ranks beyond this many share the cores (this machine)
     overhead_s: float = 0.0  # fixed seconds per step of a whole model, beyond its micro-batches
-    memory_bytes_per_s: float = 0.0  # HBM bandwidth (0: not known, as for this machine's calibration)
-    microbatch_overhead_s: float = 0.0  # fixed seconds per forward+backward of a whole model and micro-batch
+    # HBM bandwidth (0: not known, as for this machine's calibration)
+    memory_bytes_per_s: float = 0.0
+    # fixed seconds per forward+backward of a whole model and micro-batch
+    microbatch_overhead_s: float = 0.0
     op_s: float = 0.0  # fixed seconds per small tensor operation a strategy adds
     shared_link: Link | None = None  # CPU only: the link measured at 2·cores ranks
-    shared_slowdown: float | None = None  # CPU only: compute at 2·cores ranks against at cores ranks
-    busy_slowdown: float | None = None  # CPU only: a step with every core running a rank against one rank alone
+    # CPU only: compute at 2·cores ranks against at cores ranks
+    shared_slowdown: float | None = None
+    # CPU only: a step with every core running a rank against one rank alone
+    busy_slowdown: float | None = None
     ddp_own_s: float = 0.0  # CPU only: fixed seconds per micro-batch of minitp's DDP's own code
     fsdp_own_s: float = 0.0  # CPU only: the same for its FSDP (ZeRO-3)
     tp_own_s: float = 0.0  # CPU only: the same for its tensor parallel
@@ -122,45 +129,51 @@ class Device:
 # * 80 GB HBM3 (five stacks of 16 GiB: 80 GiB) at 3.35 TB/s;
 # * NVLink 4, 900 GB/s per GPU in both directions together, so 450 GB/s each way;
 # * one ConnectX-7 NDR InfiniBand NIC per GPU (DGX H100), 400 Gb/s = 50 GB/s each way.
-# The α values (a few microseconds) are typical of NCCL rings, not published figures; efficiency 0.6 is an
-# assumed share of peak for large bf16 matmuls in training.
-H100 = Device("H100 SXM", 989e12, Link("NVLink 4", 5e-6, 900e9 / 2), Link("InfiniBand NDR 400", 10e-6, 400e9 / 8),
-              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=3.35e12)
+# The α values (a few microseconds) are typical of NCCL rings, not published figures; efficiency 0.6
+# is an assumed share of peak for large bf16 matmuls in training.
+H100 = Device("H100 SXM", 989e12, Link("NVLink 4", 5e-6, 900e9 / 2),
+              Link("InfiniBand NDR 400", 10e-6, 400e9 / 8), gpus_per_node=8,
+              memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=3.35e12)
 # NVIDIA A100 SXM4 80 GB datasheet (A100 Tensor Core GPU):
 # * 312 TFLOP/s dense BF16 (624 with sparsity);
 # * 80 GB HBM2e (five stacks of 16 GiB: 80 GiB) at 2,039 GB/s;
 # * NVLink 3, 600 GB/s both directions together, 300 GB/s each way;
 # * one HDR InfiniBand NIC per GPU (DGX A100), 200 Gb/s = 25 GB/s each way.
-A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 600e9 / 2), Link("InfiniBand HDR 200", 10e-6, 200e9 / 8),
-              gpus_per_node=8, memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=2.039e12)
+A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 600e9 / 2),
+              Link("InfiniBand HDR 200", 10e-6, 200e9 / 8), gpus_per_node=8,
+              memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=2.039e12)
 DEVICES = {"h100": H100, "a100": A100}
 
 
-# -- this machine: figures measured by ``minitp calibrate`` -----------------------------------------
-# Reading them from where they are stored (and checking them) is ``minitp.measure.calibrate``'s: nothing here
-# touches a file. A calibration is a dict of figures, handed in.
+# -- this machine: figures measured by ``minitp calibrate`` ----------------------------------------
+# Reading them from where they are stored (and checking them) is ``minitp.measure.calibrate``'s:
+# nothing here touches a file. A calibration is a dict of figures, handed in.
 def device_from_calibration(cal: dict) -> Device:
-    """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links), the
-    fixed costs of a step, of a micro-batch and of one small operation, and the link and compute as
-    measured with twice as many ranks as cores. A calibration from before ``microbatch_overhead_s``
-    was measured charges its whole ``step_overhead_s`` per micro-batch, as the time model then did."""
+    """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links),
+    the fixed costs of a step, of a micro-batch and of one small operation, and the link and compute
+    as measured with twice as many ranks as cores. A calibration from before
+    ``microbatch_overhead_s`` was measured charges its whole ``step_overhead_s`` per micro-batch, as
+    the time model then did."""
     link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
     shared = None
     if cal.get("alpha_shared_s") is not None and cal.get("bytes_per_s_shared") is not None:
-        shared = Link("gloo loopback, 2 ranks per core", cal["alpha_shared_s"], cal["bytes_per_s_shared"])
+        shared = Link("gloo loopback, 2 ranks per core", cal["alpha_shared_s"],
+                      cal["bytes_per_s_shared"])
     step, microbatch = cal.get("step_overhead_s", 0.0), cal.get("microbatch_overhead_s")
     if microbatch is None:
         step, microbatch = 0.0, step
-    return Device("this machine (" + cal.get("name", "calibrated") + ")", cal["flops_per_s"], link, link,
-                  gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0), efficiency=1.0,
-                  cores=cal.get("cores"), overhead_s=step, microbatch_overhead_s=microbatch,
-                  op_s=cal.get("op_s", 0.0), shared_link=shared, shared_slowdown=cal.get("shared_slowdown"),
+    return Device("this machine (" + cal.get("name", "calibrated") + ")", cal["flops_per_s"], link,
+                  link, gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0),
+                  efficiency=1.0, cores=cal.get("cores"), overhead_s=step,
+                  microbatch_overhead_s=microbatch, op_s=cal.get("op_s", 0.0), shared_link=shared,
+                  shared_slowdown=cal.get("shared_slowdown"),
                   busy_slowdown=cal.get("busy_slowdown"), ddp_own_s=cal.get("ddp_own_s", 0.0),
                   fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0),
-                  cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0)  # null: not measured
+                  # null: not measured
+                  cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0)
 
 
-# -- compute ----------------------------------------------------------------------------------------
+# -- compute ---------------------------------------------------------------------------------------
 def training_flops_per_token(cfg, seq: int) -> float:
     """Model FLOPs to train on one token: 6Ψ (forward 2Ψ, backward 4Ψ) + 12·L·D·S for attention;
     Ψ the active parameters (a MoE's token goes through k of its E experts per layer)."""
@@ -169,7 +182,8 @@ def training_flops_per_token(cfg, seq: int) -> float:
 
 def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
     """The extra FLOPs recomputation adds per token: ``full`` runs each block's forward again
-    (2Ψ_blocks + 4·L·D·S, Ψ_blocks active), ``selective`` only attention's scores and weighted sum (4·L·D·S)."""
+    (2Ψ_blocks + 4·L·D·S, Ψ_blocks active), ``selective`` only attention's scores and weighted sum
+    (4·L·D·S)."""
     recompute = recompute_mode(recompute)
     if recompute == "none":
         return 0.0
@@ -181,10 +195,10 @@ def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
 
 
 def _shared_cores(device: Device, ranks_on_machine: int) -> float:
-    """How many times slower a rank runs beside the others than alone (CPU only, as ``minitp calibrate``
-    measured it). Up to a rank per core: the line from 1 at one rank to ``busy_slowdown`` at ``cores``
-    ranks. Beyond: that, times the ranks' sharing of the cores, ranks/cores or the line through 1 at
-    ``cores`` ranks and ``shared_slowdown`` at 2·cores."""
+    """How many times slower a rank runs beside the others than alone (CPU only, as ``minitp
+    calibrate`` measured it). Up to a rank per core: the line from 1 at one rank to
+    ``busy_slowdown`` at ``cores`` ranks. Beyond: that, times the ranks' sharing of the cores,
+    ranks/cores or the line through 1 at ``cores`` ranks and ``shared_slowdown`` at 2·cores."""
     if not device.cores or ranks_on_machine <= 1:
         return 1.0
     busy = device.busy_slowdown or 1.0
@@ -196,9 +210,9 @@ def _shared_cores(device: Device, ranks_on_machine: int) -> float:
 
 def link_on_machine(link: Link, device: Device, ranks_on_machine: int) -> Link:
     """The link as ranks that outnumber the cores see it (CPU only): a rank waiting for a message
-    waits for its sender to get a core. α and 1/β on the line through the link's figures at ``cores``
-    ranks and ``shared_link``'s at 2·cores (both measured by ``minitp calibrate``); ``link`` itself
-    with a core per rank or no ``shared_link``."""
+    waits for its sender to get a core. α and 1/β on the line through the link's figures at
+    ``cores`` ranks and ``shared_link``'s at 2·cores (both measured by ``minitp calibrate``);
+    ``link`` itself with a core per rank or no ``shared_link``."""
     shared = device.shared_link
     if shared is None or not device.cores or ranks_on_machine <= device.cores:
         return link
@@ -212,22 +226,24 @@ def link_on_machine(link: Link, device: Device, ranks_on_machine: int) -> Link:
 def compute_time(flops: float, device: Device, ranks_on_machine: int = 1) -> float:
     """Seconds to do ``flops`` at the device's rate; on a CPU with fewer cores than ranks, the ranks
     share them (each gets cores/ranks of one)."""
-    return flops / (device.flops_per_s * device.efficiency) * _shared_cores(device, ranks_on_machine)
+    return flops / (
+        device.flops_per_s * device.efficiency) * _shared_cores(device, ranks_on_machine)
 
 
-# -- the small operations a strategy adds ---------------------------------------------------------------
-# Tensor operations (forward and backward together) that context and expert parallel add to the plain
-# model's, per block and micro-batch, counted on minitp's own code: every operation a forward+backward
-# dispatches, counted (TorchDispatchMode) under the strategy and for the plain model, rank by rank at 2
-# and 4 ranks, and split into the units below by least squares, rounded. Counts, not times: the totals
-# are within 2 % of what ``benchmarks/time_model.py --count-ops`` counts.
-# ring attention: per piece of work (a pair of query and key chunks that has any, cut as ``cp._pairs``
-# cuts it) its scores, online-softmax update and their gradients, 104, and 37 more where a causal mask
-# is built and applied; per ring step the hand-over of keys and values (and of their gradients) and
-# the grouped heads' expansion, 40; per block, the ring's set-up less the plain attention it replaces, -38.
-# MoE: per layer the router (its softmax, top-k, capacity and auxiliary loss), 46; per expert this rank
-# holds, the gather of its rows, its SwiGLU and the scatter back, 45; with ep > 1 the dispatch and
-# combine (sorting by expert, the counts, the regrouping by source rank), 73.
+# -- the small operations a strategy adds ----------------------------------------------------------
+# Tensor operations (forward and backward together) that context and expert parallel add to the
+# plain model's, per block and micro-batch, counted on minitp's own code: every operation a
+# forward+backward dispatches, counted (TorchDispatchMode) under the strategy and for the plain
+# model, rank by rank at 2 and 4 ranks, and split into the units below by least squares, rounded.
+# Counts, not times: the totals are within 2 % of what ``benchmarks/time_model.py --count-ops``
+# counts. ring attention: per piece of work (a pair of query and key chunks that has any, cut as
+# ``cp._pairs`` cuts it) its scores, online-softmax update and their gradients, 104, and 37 more
+# where a causal mask is built and applied; per ring step the hand-over of keys and values (and of
+# their gradients) and the grouped heads' expansion, 40; per block, the ring's set-up less the plain
+# attention it replaces, -38. MoE: per layer the router (its softmax, top-k, capacity and auxiliary
+# loss), 46; per expert this rank holds, the gather of its rows, its SwiGLU and the scatter back,
+# 45; with ep > 1 the dispatch and combine (sorting by expert, the counts, the regrouping by source
+# rank), 73.
 RING_OPS = {"piece": 104, "masked_piece": 104 + 37, "step": 40, "block": -38}
 MOE_OPS = {"routing": 46, "expert": 45, "dispatch": 73}
 
@@ -263,7 +279,8 @@ def ring_ops(cfg, seq: int, cp: int = 1, balanced: bool = True) -> int:
     chunks = [cp_chunks(seq, cp, r, balanced) for r in range(cp)]
     per_block = []
     for rank in range(cp):
-        pieces = [_pieces(q, k) for source in range(cp) for q in chunks[rank] for k in chunks[source]]
+        pieces = [_pieces(q, k) for source in range(cp) for q in chunks[rank]
+                  for k in chunks[source]]
         unmasked, masked = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
         per_block.append(RING_OPS["piece"] * unmasked + RING_OPS["masked_piece"] * masked
                          + RING_OPS["step"] * cp + RING_OPS["block"])
@@ -271,15 +288,17 @@ def ring_ops(cfg, seq: int, cp: int = 1, balanced: bool = True) -> int:
 
 
 def moe_ops(cfg, ep: int = 1) -> int:
-    """The operations a MoE's routing, its experts on this rank and (ep > 1) its dispatch and combine
-    add, per micro-batch. Each costs ``Device.ep_op_s`` (or ``op_s``); 0 for a dense model."""
+    """The operations a MoE's routing, its experts on this rank and (ep > 1) its dispatch and
+    combine add, per micro-batch. Each costs ``Device.ep_op_s`` (or ``op_s``); 0 for a dense
+    model."""
     if not hasattr(cfg, "n_experts"):
         return 0
     local = cfg.n_experts // ep
-    return cfg.n_layers * (MOE_OPS["routing"] + MOE_OPS["expert"] * local + (MOE_OPS["dispatch"] if ep > 1 else 0))
+    return cfg.n_layers * (MOE_OPS["routing"] + MOE_OPS["expert"] * local
+                           + (MOE_OPS["dispatch"] if ep > 1 else 0))
 
 
-# -- communication ----------------------------------------------------------------------------------
+# -- communication ---------------------------------------------------------------------------------
 RING_PHASES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
@@ -291,16 +310,19 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     if op not in RING_PHASES:
-        raise ValueError(f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter or send")
-    return RING_PHASES[op] * (n - 1) * link.alpha_s + collective_sent_bytes(op, nbytes, n) / link.bytes_per_s
+        raise ValueError(
+            f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter or send")
+    return RING_PHASES[op] * (n - 1) * link.alpha_s + collective_sent_bytes(
+        op, nbytes, n) / link.bytes_per_s
 
 
-def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1, ep: int = 1) -> dict[str, Link]:
+def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1,
+                    ep: int = 1) -> dict[str, Link]:
     """Which link each dimension's messages cross, with minitp's order (tp fastest, then pp, then cp
     inside the dp dimension, dp slowest; ranks filling machines in order): a group stays inside a
-    machine when its span (tp; tp·pp; cp·pp·tp; dp·cp·pp·tp) fits in one. An ep group, ep consecutive
-    ranks of the dp·cp dimension, spans ep·pp·tp. Megatron and torchtitan order pp outermost instead;
-    the tp rule is the same."""
+    machine when its span (tp; tp·pp; cp·pp·tp; dp·cp·pp·tp) fits in one. An ep group, ep
+    consecutive ranks of the dp·cp dimension, spans ep·pp·tp. Megatron and torchtitan order pp
+    outermost instead; the tp rule is the same."""
     inside = device.gpus_per_node
     return {"tp": device.intra if tp <= inside else device.inter,
             "pp": device.intra if tp * pp <= inside else device.inter,
@@ -309,7 +331,7 @@ def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1, ep: 
             "ep": device.intra if ep * pp * tp <= inside else device.inter}
 
 
-# -- one training step -------------------------------------------------------------------------------
+# -- one training step -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepTime:
     """A predicted step, in seconds: each part and what is left exposed after overlap."""
@@ -323,18 +345,23 @@ class StepTime:
     step_s: float  # compute + bubble + tp + pp + exposed dp + exposed cp
     model_flops: float  # per step, whole model, no recomputation
     mfu: float  # model_flops / (step_s · gpus · peak)
-    cp_s: float = 0.0  # context parallel's ring: keys and values (and their gradients) passed on (or
+    # context parallel's ring: keys and values (and their gradients) passed on (or
+    cp_s: float = 0.0
     # Ulysses' all-to-alls, or the all-gathers and reduce-scatters: ``step_time(cp_attention=)``)
-    cp_exposed_s: float = 0.0  # what of cp_s does not hide behind this rank's attention compute (the ring's only)
-    ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch, combine and their gradients): never hidden
-    ops_s: float = 0.0  # the small operations cp and ep add (``strategy_ops``), at cp_op_s / ep_op_s each; in compute_s
+    # what of cp_s does not hide behind this rank's attention compute (the ring's only)
+    cp_exposed_s: float = 0.0
+    # expert parallel's all-to-alls (dispatch, combine and their gradients): never hidden
+    ep_s: float = 0.0
+    # the small operations cp and ep add (``strategy_ops``), at cp_op_s / ep_op_s each; in compute_s
+    ops_s: float = 0.0
 
 
-def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, device: Device = H100,
-              microbatches: int = 1, data_parallel: str = "ddp", zero: int = 3, precision: str = "bf16",
-              sequence_parallel: bool = False, recompute="none", overlap: bool = True,
-              buckets: int | None = None, cp: int = 1, virtual_stages: int = 1, ep: int = 1,
-              balanced: bool = True, cp_attention: str = "ring") -> StepTime:
+def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
+              device: Device = H100, microbatches: int = 1, data_parallel: str = "ddp",
+              zero: int = 3, precision: str = "bf16", sequence_parallel: bool = False,
+              recompute="none", overlap: bool = True, buckets: int | None = None, cp: int = 1,
+              virtual_stages: int = 1, ep: int = 1, balanced: bool = True,
+              cp_attention: str = "ring") -> StepTime:
     """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
@@ -349,10 +376,10 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
 
     The small operations cp and ep add to the plain model (``strategy_ops``: ring attention's
     per-chunk online-softmax updates and hand-overs, a MoE's routing, per-expert work and dispatch)
-    cost what ``minitp calibrate`` measured one of each to cost (``Device.cp_op_s``, ``ep_op_s``; ``op_s``
-    where not measured; ``ops_s``, part of compute); DDP's, FSDP's (ZeRO-3) and tensor parallel's own
-    code costs what ``minitp calibrate`` measured at one rank per micro-batch (``Device.ddp_own_s``...,
-    also part of compute); ``balanced``: context parallel's load-balanced
+    cost what ``minitp calibrate`` measured one of each to cost (``Device.cp_op_s``, ``ep_op_s``;
+    ``op_s`` where not measured; ``ops_s``, part of compute); DDP's, FSDP's (ZeRO-3) and tensor
+    parallel's own code costs what ``minitp calibrate`` measured at one rank per micro-batch
+    (``Device.ddp_own_s``..., also part of compute); ``balanced``: context parallel's load-balanced
     chunks (the default) or contiguous slices.
 
     cp: context parallel, each of the dp replicas' sequences split over cp ranks (ring attention,
@@ -362,13 +389,13 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
     cp_attention: how attention crosses the cp group (``minitp.cost.context.CP_ATTENTIONS``). "ring"
     as above. "ulysses": four all-to-alls forward and four backward per block, each of c-1 message
-    steps, counted whole: the heads' attention waits for the first three, the output projection for the
-    last. "allgather": the keys' and values' all-gathers forward and their gradients' reduce-scatters
-    backward (c-1 steps each), counted whole too: attention waits for the whole sequence's keys. A
-    kernel could gather the next layer's keys and values behind this layer's compute (they depend only
-    on that layer's input); this model does not assume it, so the all-gather's figure is an upper
-    bound. The small operations (``strategy_ops``) are the ring's, measured; the other ways' are not
-    counted.
+    steps, counted whole: the heads' attention waits for the first three, the output projection for
+    the last. "allgather": the keys' and values' all-gathers forward and their gradients'
+    reduce-scatters backward (c-1 steps each), counted whole too: attention waits for the whole
+    sequence's keys. A kernel could gather the next layer's keys and values behind this layer's
+    compute (they depend only on that layer's input); this model does not assume it, so the
+    all-gather's figure is an upper bound. The small operations (``strategy_ops``) are the ring's,
+    measured; the other ways' are not counted.
 
     virtual_stages: interleaved 1F1B's v chunks per rank: the bubble shrinks to compute·(p-1)/(v·m),
     and each micro-batch crosses v times as many boundaries (v times the pipeline's sends).
@@ -382,8 +409,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute. With more ranks than
     cores, compute slows by ranks/cores (or as ``minitp calibrate`` measured it, ``_shared_cores``)
-    and every message crosses the link as measured with ranks waiting for cores (``link_on_machine``);
-    with a rank on every core, compute and fixed costs run ``busy_slowdown`` times slower than alone.
+    and every message crosses the link as measured with ranks waiting for cores
+    (``link_on_machine``); with a rank on every core, compute and fixed costs run ``busy_slowdown``
+    times slower than alone.
     """
     recompute = recompute_mode(recompute)
     check_positive("cp", cp)
@@ -395,42 +423,48 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)) / gpus
     compute = compute_time(rank_flops, device, gpus)
     attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq / gpus, device, gpus)
-    # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward with the
-    # strategies' own code (ZeRO-1/2's is not measured), the step's optimizer once, and each small
-    # operation the strategy adds
+    # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward with
+    # the strategies' own code (ZeRO-1/2's is not measured), the step's optimizer once, and each
+    # small operation the strategy adds
     shared = _shared_cores(device, gpus)
     ops = (ring_ops(cfg, seq, cp if ring else 1, balanced) * (device.cp_op_s or device.op_s)
            + moe_ops(cfg, ep) * (device.ep_op_s or device.op_s))
     ops_s = m * ops / pp * shared
     own = device.tp_own_s if tp > 1 else 0.0
     if dp * cp > 1:
-        own += device.ddp_own_s if data_parallel == "ddp" else device.fsdp_own_s if zero == 3 else 0.0
+        own += (device.ddp_own_s if data_parallel == "ddp" else device.fsdp_own_s if zero == 3
+                else 0.0)
     compute += ((device.microbatch_overhead_s + own) * m + device.overhead_s) / pp * shared + ops_s
     v = virtual_stages if pp > 1 else 1
     check_positive("virtual_stages", v)
     bubble = compute * (pp - 1) / (v * m)
-    links = {dim: link_on_machine(link, device, gpus)  # as the ranks see it when they outnumber the cores
+    # as the ranks see it when they outnumber the cores
+    links = {dim: link_on_machine(link, device, gpus)
              for dim, link in links_of_layout(dp, pp, tp, device, cp, ep).items()}
     worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0, "ep": 0.0}
     sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp, "ep": ep}
     moe = check_ep(cfg, ep)
     for stage in range(pp):
-        kept = dict(data_parallel=data_parallel, zero=zero, activation_bytes=b, param_bytes=b, grad_bytes=b,
-                    sequence_parallel=sequence_parallel, recompute=recompute, virtual_stages=v)
+        kept = dict(data_parallel=data_parallel, zero=zero, activation_bytes=b, param_bytes=b,
+                    grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute,
+                    virtual_stages=v)
         if moe:  # the all-to-alls, and the expert gradients over their dp·cp/ep copies
             sent = ep_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, ep, **kept)
         else:
-            sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept, attention=cp_attention),
+            sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept,
+                                         attention=cp_attention),
                     "ep": 0.0}
         blocks = rank_num_blocks(cfg.n_layers, pp, stage, v)
-        ends = (stage == 0) + 3 * (stage == pp - 1)  # the embedding's all-reduce; the output's and the loss's two
-        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets, v, cp_attention,
-                            ends)
+        # the embedding's all-reduce; the output's and the loss's two
+        ends = (stage == 0) + 3 * (stage == pp - 1)
+        steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets,
+                            v, cp_attention, ends)
         for dim in worst:
             link = links[dim]
             worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
     if device.cores and gpus >= device.cores:
-        overlap = False  # a CPU moves gloo's bytes with its own cores: with none spare, nothing hides
+        # a CPU moves gloo's bytes with its own cores: with none spare, nothing hides
+        overlap = False
     if not overlap:
         window = 0.0
     elif data_parallel == "fsdp" and zero == 3:
@@ -441,40 +475,47 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1, 
     cp_exposed = max(0.0, worst["cp"] - (attention if overlap and ring else 0.0))
     step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed + worst["ep"]
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
-    return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step, model_flops, mfu,
-                    worst["cp"], cp_exposed, worst["ep"], ops_s)
+    return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step,
+                    model_flops, mfu, worst["cp"], cp_exposed, worst["ep"], ops_s)
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,
                 dp_bytes: float, buckets: int | None, virtual_stages: int = 1,
                 cp_attention: str = "ring", ends: int = 4) -> dict[str, float]:
     """Message steps on the critical path per step, each costing α: an all-reduce over n ranks takes
-    2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send 1.
-    tp: per micro-batch 4 per block (6 with full recomputation), plus ``ends``: the embedding's one (on the
-    first stage), the output's and the loss's two (its maximum, then its sums; on the last stage);
-    pp: m sends forward, m backward (v times that, interleaved); dp: DDP's buckets, or FSDP's gathers
-    and reduce-scatters per unit;
-    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward (the ring); Ulysses' eight
-    all-to-alls, or the all-gather's two all-gathers and two reduce-scatters (keys and values), c-1 each;
-    ep: per micro-batch and MoE layer, five all-to-alls of e-1 steps each: the dispatch's counts, then its
-    rows, the combine, and the two gradients (the counts have none)."""
-    tp, pp, dp, cp, ep = sizes["tp"], sizes["pp"], sizes["dp"], sizes.get("cp", 1), sizes.get("ep", 1)
+    2(n-1), an all-gather or reduce-scatter n-1 (sequence parallel's pairs: the same 2(n-1)), a send
+    1. tp: per micro-batch 4 per block (6 with full recomputation), plus ``ends``: the embedding's
+    one (on the first stage), the output's and the loss's two (its maximum, then its sums; on the
+    last stage); pp: m sends forward, m backward (v times that, interleaved); dp: DDP's buckets, or
+    FSDP's gathers and reduce-scatters per unit;
+    cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward (the ring); Ulysses'
+    eight all-to-alls, or the all-gather's two all-gathers and two reduce-scatters (keys and
+    values), c-1 each; ep: per micro-batch and MoE layer, five all-to-alls of e-1 steps each: the
+    dispatch's counts, then its rows, the combine, and the two gradients (the counts have none)."""
+    tp, pp, dp = sizes["tp"], sizes["pp"], sizes["dp"]
+    cp, ep = sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
-    out = {"tp": m * (per_block * blocks + ends) * 2 * (tp - 1), "pp": 2 * m * virtual_stages if pp > 1 else 0, "dp": 0,
-           "cp": m * blocks * {"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1), "allgather": 4 * (cp - 1)}[cp_attention]
+    out = {"tp": m * (per_block * blocks + ends) * 2 * (tp - 1), "pp": 2 * m * virtual_stages
+           if pp > 1 else 0, "dp": 0,
+           "cp": m * blocks * {"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1),
+                               "allgather": 4 * (cp - 1)}[cp_attention]
            if cp > 1 else 0, "ep": m * blocks * 5 * (ep - 1)}
     if dp > 1:
         units = blocks + 1
         if data_parallel == "ddp":
-            out["dp"] = (buckets or max(1, math.ceil(dp_bytes / (2 * (dp - 1) / dp) / (25 * 2**20)))) * 2 * (dp - 1)
-        else:  # ZeRO-3: gather in forward and in backward, reduce-scatter; ZeRO-1/2: reduce-scatter, gather
+            out["dp"] = (buckets or max(1, math.ceil(dp_bytes / (2 * (
+                dp - 1) / dp) / (25 * 2**20)))) * 2 * (dp - 1)
+        # ZeRO-3: gather in forward and in backward, reduce-scatter; ZeRO-1/2: reduce-scatter,
+        # gather
+        else:
             out["dp"] = units * (3 if zero == 3 else 2) * (dp - 1)
     return out
 
 
 def arithmetic_intensity(m: int, k: int, n: int, dtype_bytes: int = 2) -> float:
     """FLOPs per byte moved of a (m, k) @ (k, n) matmul reading both inputs and writing the output
-    once: 2mkn / ((mk + kn + mn)·b). Above the device's FLOP/s ÷ memory bandwidth it is compute-bound."""
+    once: 2mkn / ((mk + kn + mn)·b). Above the device's FLOP/s ÷ memory bandwidth it is
+    compute-bound."""
     return 2 * m * k * n / ((m * k + k * n + m * n) * dtype_bytes)
 
 

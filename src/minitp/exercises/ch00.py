@@ -8,10 +8,10 @@
   (n-1)/n * B per rank.
 * ``check_ring_bytes(fn)``: ``fn(op, nbytes, n)`` gives the bytes one rank sends for a ring
   all-reduce, all-gather or reduce-scatter; compared with ``minitp.cost``.
-* ``check_tree_broadcast(fn)``: ``fn(tensor, src)`` copies rank ``src``'s tensor to every rank along a
-  binomial tree of sends and receives (the ranks that have it double each round). Run on 4 ranks from
-  rank 0 and on 6 from rank 2; compared with ``comm.broadcast``, and the trace with the tree: each
-  rank receives once, and no path from ``src`` is longer than ⌈log2 n⌉ messages.
+* ``check_tree_broadcast(fn)``: ``fn(tensor, src)`` copies rank ``src``'s tensor to every rank along
+  a binomial tree of sends and receives (the ranks that have it double each round). Run on 4 ranks
+  from rank 0 and on 6 from rank 2; compared with ``comm.broadcast``, and the trace with the tree:
+  each rank receives once, and no path from ``src`` is longer than ⌈log2 n⌉ messages.
 * ``check_problem(n, answer)``: worked problems 1-3, estimates from the hardware sheet
   (``minitp.cost.H100``) checked against ``minitp.cost`` within 5 % (``minitp.exercises.problems``).
 
@@ -61,9 +61,10 @@ def _check_bytes(results, name: str, expected: float, formula: str, per_step: st
     for rank, s in enumerate(sent):
         if s != expected:
             more = "more" if s > expected else "less"
-            raise wrong(name, f"the values are right, but rank {rank} sent {s:g} bytes, {more} than the ring's "
-                              f"{formula} (per rank: {[f'{x:g}' for x in sent]}). Each step should send {per_step}, "
-                              "not the whole tensor.", f"{expected:g} bytes per rank")
+            raise wrong(name, f"the values are right, but rank {rank} sent {s:g} bytes, {more} "
+                              f"than the ring's {formula} (per rank: {[f'{x:g}' for x in sent]}). "
+                              f"Each step should send {per_step}, not the whole "
+                              "tensor.", f"{expected:g} bytes per rank")
 
 
 # -- exercise 1: ring all-reduce -----------------------------------------------------------------
@@ -91,7 +92,8 @@ def _explain_chunk(value: torch.Tensor, inputs: list[torch.Tensor], sl: slice) -
             if torch.equal(value, sum(inputs[k][sl] for k in subset)):
                 if size == n:
                     return "the full sum"
-                return f"the sum of ranks {list(subset)} only" if size > 1 else f"rank {subset[0]}'s data only"
+                return (f"the sum of ranks {list(subset)} only" if size > 1
+                        else f"rank {subset[0]}'s data only")
     return "no sum of the ranks' matching chunks (values from another chunk were added?)"
 
 
@@ -101,9 +103,10 @@ def check_ring_all_reduce(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
     for n in nprocs:
         numel = 4 * n  # 4 elements per chunk
         results = run_answer(_all_reduce_worker, n, (fn, numel, n), name, timeout, hang_hint=(
-                       "Each step, every rank must send to its right neighbour (rank + 1) % n and receive "
-                       "from its left one (rank - 1) % n; a rank that waits for a message its neighbour "
-                       "never sends waits forever. Post the send with comm.isend before comm.recv."))
+                       "Each step, every rank must send to its right neighbour (rank + 1) % n and "
+                       "receive from its left one (rank - 1) % n; a rank that waits for a message "
+                       "its neighbour never sends waits forever. Post the send with comm.isend "
+                       "before comm.recv."))
         inputs = [r["input"] for r in results]
         for rank, r in enumerate(results):
             got, want = r["tensor"], r["expected"]
@@ -112,23 +115,27 @@ def check_ring_all_reduce(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
             if isinstance(r["returned"], torch.Tensor) and torch.equal(r["returned"], want):
                 raise wrong(name, "your function returned the right sum, but `tensor` itself was "
                             "not changed. Like all_reduce, sum in place: write into the chunks of "
-                            "`tensor` (views of it), e.g. chunk += incoming or chunk.copy_(incoming).")
+                            "`tensor` (views of it), e.g. chunk += incoming or "
+                            "chunk.copy_(incoming).")
             if torch.equal(got, inputs[rank]):
-                raise wrong(name, f"{name} on {n} ranks: rank {rank}'s tensor did not change at all. Write the "
-                            "received chunks into `tensor` in place (its chunks are views of it).")
+                raise wrong(name, f"{name} on {n} ranks: rank {rank}'s tensor did not change at "
+                            "all. Write the received chunks into `tensor` in place (its chunks are "
+                            "views of it).")
             size = numel // n
             lines, wanted = [], []
             for c in range(n):
                 sl = slice(c * size, (c + 1) * size)
                 if not torch.equal(got[sl], want[sl]):
-                    lines.append(f"  chunk {c}: got {got[sl].tolist()} = {_explain_chunk(got[sl], inputs, sl)}")
+                    lines.append(f"  chunk {c}: got {got[sl].tolist()} = "
+                                 f"{_explain_chunk(got[sl], inputs, sl)}")
                     wanted.append(f"chunk {c} = {want[sl].tolist()}")
             raise wrong(
-                name, f"{name} on {n} ranks: rank {rank} ends with a wrong tensor.\n" + "\n".join(lines) + "\n"
-                "Hints: in the reduce-scatter steps a rank must ADD the incoming chunk to its own (copy only "
-                "in the all-gather steps); at step s rank r sends chunk (r - s) % n and receives chunk "
-                "(r - s - 1) % n; after n - 1 steps rank r holds chunk (r + 1) % n complete, which is the "
-                "first chunk it sends in the all-gather.", f"on rank {rank}, " + ", ".join(wanted))
+                name, f"{name} on {n} ranks: rank {rank} ends with a wrong tensor.\n"
+                + "\n".join(lines) + "\nHints: in the reduce-scatter steps a rank must ADD the "
+                "incoming chunk to its own (copy only in the all-gather steps); at step s rank r "
+                "sends chunk (r - s) % n and receives chunk (r - s - 1) % n; after n - 1 steps "
+                "rank r holds chunk (r + 1) % n complete, which is the first chunk it sends in the "
+                "all-gather.", f"on rank {rank}, " + ", ".join(wanted))
         _check_ops(results, name, "the all-reduce")
         expected = cost.collective_sent_bytes("all_reduce", numel * 4, n)
         _check_bytes(results, name, expected, f"2(n-1)/n * B with n={n}, B={numel * 4}",
@@ -157,14 +164,15 @@ def _all_gather_worker(fn, per_rank: int = 3, seed: int = 0):
 
 
 def check_ring_all_gather(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float = 20.0) -> None:
-    """Run ``fn(output, input)`` on each world size in ``nprocs``; it must behave like all_gather."""
+    """Run ``fn(output, input)`` on each world size in ``nprocs``; it must behave like
+    all_gather."""
     name = "ring all-gather"
     per_rank = 3
     for n in nprocs:
         results = run_answer(_all_gather_worker, n, (fn, per_rank, n), name, timeout, hang_hint=(
-                       "Every rank must send to (rank + 1) % n and receive from (rank - 1) % n; post the "
-                       "send with comm.isend before comm.recv so that no rank waits on a neighbour that is "
-                       "itself waiting."))
+                       "Every rank must send to (rank + 1) % n and receive from (rank - 1) % n; "
+                       "post the send with comm.isend before comm.recv so that no rank waits on a "
+                       "neighbour that is itself waiting."))
         inputs = [r["input"] for r in results]
         for rank, r in enumerate(results):
             got, want = r["output"], r["expected"]
@@ -181,13 +189,15 @@ def check_ring_all_gather(fn, nprocs: tuple[int, ...] = (4, 3), timeout: float =
                     what = "nothing (never written)"
                 else:
                     owners = [k for k in range(n) if torch.equal(chunk, inputs[k])]
-                    what = f"rank {owners[0]}'s input" if owners else f"{chunk.tolist()}, no rank's input"
+                    what = (f"rank {owners[0]}'s input" if owners
+                            else f"{chunk.tolist()}, no rank's input")
                 lines.append(f"  chunk {c}: expected rank {c}'s input, got {what}")
             raise wrong(
-                name, f"{name} on {n} ranks: rank {rank}'s output is wrong.\n" + "\n".join(lines) + "\n"
-                "Hints: first copy your own input into chunk `rank` of output; then at step s send chunk "
-                "(rank - s) % n to the right and receive chunk (rank - s - 1) % n from the left, "
-                "straight into that chunk of output.", f"on rank {rank}, output = {want.tolist()}")
+                name, f"{name} on {n} ranks: rank {rank}'s output is wrong.\n" + "\n".join(lines)
+                + "\nHints: first copy your own input into chunk `rank` of output; then at step s "
+                "send chunk (rank - s) % n to the right and receive chunk (rank - s - 1) % n from "
+                "the left, straight into that chunk of "
+                "output.", f"on rank {rank}, output = {want.tolist()}")
         _check_ops(results, name, "the all-gather")
         expected = cost.collective_sent_bytes("all_gather", n * per_rank * 4, n)
         _check_bytes(results, name, expected, f"(n-1)/n * B with n={n}, B={n * per_rank * 4}",
@@ -207,15 +217,17 @@ def check_ring_bytes(fn) -> None:
         try:
             got = fn(op, nbytes, n)
         except NotImplementedError:
-            raise ExerciseError(f"{name}: not done yet (the function still raises NotImplementedError).") from None
+            raise ExerciseError(
+                f"{name}: not done yet (the function still raises NotImplementedError).") from None
         want = cost.collective_sent_bytes(op, nbytes, n)
         if got is None:
-            raise ExerciseError(f"{name}: fn({op!r}, {nbytes}, {n}) returned None; return a number of bytes.")
+            raise ExerciseError(
+                f"{name}: fn({op!r}, {nbytes}, {n}) returned None; return a number of bytes.")
         if math.isclose(float(got), want, rel_tol=1e-9):
             continue
         hint = _bytes_hint(op, float(got), nbytes, n)
-        raise wrong(name, f"for {op} of B = {nbytes} bytes over n = {n} ranks you gave {got:g} bytes per rank. "
-                          f"{hint}", f"{want:g} bytes per rank")
+        raise wrong(name, f"for {op} of B = {nbytes} bytes over n = {n} ranks you gave {got:g} "
+                          f"bytes per rank. {hint}", f"{want:g} bytes per rank")
     passed(name, "all-reduce 2(n-1)/n * B, all-gather and reduce-scatter (n-1)/n * B")
 
 
@@ -226,14 +238,17 @@ def _bytes_hint(op: str, got: float, B: int, n: int) -> str:
         return math.isclose(got, x, rel_tol=1e-9)
 
     if op == "all_reduce" and near((n - 1) / n * B):
-        return "That is one phase only: a ring all-reduce is a reduce-scatter followed by an all-gather."
+        return ("That is one phase only: a ring all-reduce is a reduce-scatter followed by an "
+                "all-gather.")
     if op != "all_reduce" and near(2 * (n - 1) / n * B):
         return f"That is an all-reduce; {op} is just one of its two phases."
     if near(steps * B):
         return "Each step sends one chunk of B/n bytes, not the whole buffer: divide by n."
     if near(steps * B / (n - 1)):
-        return "Count the steps again: n ranks need n - 1 steps per phase (a rank never sends to itself)."
-    return f"Count the steps ({steps} for {op} on {n} ranks) and the bytes of each step (one chunk, B/n)."
+        return ("Count the steps again: n ranks need n - 1 steps per phase (a rank never sends to "
+                "itself).")
+    return (f"Count the steps ({steps} for {op} on {n} ranks) and the bytes of each step (one "
+            "chunk, B/n).")
 
 
 # -- exercise 4: a tree broadcast ----------------------------------------------------------------
@@ -252,7 +267,8 @@ def _broadcast_worker(fn, src: int, numel: int = 5):
 
 
 def _tree_depth(received_from: dict[int, int], src: int, n: int) -> int:
-    """The most messages in a row from ``src`` to any rank, following who each rank received from."""
+    """The most messages in a row from ``src`` to any rank, following who each rank received
+    from."""
     deepest = 0
     for rank in range(n):
         hops, at = 0, rank
@@ -262,54 +278,61 @@ def _tree_depth(received_from: dict[int, int], src: int, n: int) -> int:
     return deepest
 
 
-def check_tree_broadcast(fn, runs: tuple[tuple[int, int], ...] = ((4, 0), (6, 2)), timeout: float = 20.0) -> None:
-    """Run ``fn(tensor, src)`` for each (world size, src); every rank must end with src's tensor, sent
-    along a tree at most ⌈log2 n⌉ messages deep."""
+def check_tree_broadcast(fn, runs: tuple[tuple[int, int], ...] = ((4, 0), (6, 2)),
+                         timeout: float = 20.0) -> None:
+    """Run ``fn(tensor, src)`` for each (world size, src); every rank must end with src's tensor,
+    sent along a tree at most ⌈log2 n⌉ messages deep."""
     name = "tree broadcast"
     for n, src in runs:
         results = run_answer(_broadcast_worker, n, (fn, src), name, timeout, hang_hint=(
-            "Every recv needs a matching send: in round k (step = 2**k) the ranks at distance d < step from src "
-            "send to the rank at distance d + step, and the ranks at distance step <= d < 2·step receive from "
-            "the rank at distance d - step (distance d = (rank - src) % n)."))
+            "Every recv needs a matching send: in round k (step = 2**k) the ranks at distance d < "
+            "step from src send to the rank at distance d + step, and the ranks at distance step "
+            "<= d < 2·step receive from the rank at distance d - step (distance d = (rank - src) % "
+            "n)."))
         where = f"on {n} ranks from src = {src}"
         for rank, r in enumerate(results):
             if not torch.equal(r["tensor"], r["expected"]):
                 what = "zeros: it received nothing, or a copy sent before the sender had it" \
                     if not r["tensor"].any() else f"{r['tensor'].tolist()}"
-                raise wrong(name, f"{name} {where}: rank {rank} ends with {what}, not src's tensor. A rank may "
-                            "send only after it has received (or is src); receive into `tensor` itself.",
+                raise wrong(name, f"{name} {where}: rank {rank} ends with {what}, not src's "
+                            "tensor. A rank may send only after it has received (or is src); "
+                            "receive into `tensor` itself.",
                             f"src's tensor {r['expected'].tolist()} on every rank")
         _check_ops(results, name, "the broadcast")
         received_from = {}
         for tr in results.traces:
             recvs = [e for e in _answer_events(tr) if e.op == "recv"]
             if tr.rank != src and len(recvs) != 1:
-                raise wrong(name, f"{name} {where}: the values are right, but rank {tr.rank} received {len(recvs)} "
-                            "messages; in a tree every rank but src receives exactly once.")
+                raise wrong(name, f"{name} {where}: the values are right, but rank {tr.rank} "
+                            f"received {len(recvs)} messages; in a tree every rank but src "
+                            "receives exactly once.")
             if recvs:
                 received_from[tr.rank] = recvs[0].peer
         deepest = _tree_depth(received_from, src, n)
         rounds = math.ceil(math.log2(n))
         sends = [sum(e.op == "send" for e in _answer_events(tr)) for tr in results.traces]
         if deepest > rounds:
-            shape = "a chain: each rank passes it on to the next" if deepest == n - 1 else "a deep tree"
-            raise wrong(name, f"{name} {where}: the values are right, but the data took {deepest} messages in a "
-                        f"row to reach its farthest rank ({shape}); a binomial tree needs only "
-                        f"⌈log2 n⌉ = {rounds}: in each round every rank that has the data sends it on, "
-                        "so the number that have it doubles.")
+            shape = ("a chain: each rank passes it on to the next" if deepest == n - 1
+                     else "a deep tree")
+            raise wrong(name, f"{name} {where}: the values are right, but the data took {deepest} "
+                        f"messages in a row to reach its farthest rank ({shape}); a binomial tree "
+                        f"needs only ⌈log2 n⌉ = {rounds}: in each round every rank that has the "
+                        "data sends it on, so the number that have it doubles.")
         busiest = max(range(n), key=lambda k: sends[k])
         if sends[busiest] > rounds:
-            raise wrong(name, f"{name} {where}: the values are right, but rank {busiest} sent {sends[busiest]} "
-                        "messages, one after another, while the ranks that already had the data sent "
-                        f"none; a binomial tree takes ⌈log2 n⌉ = {rounds} rounds: each round, every rank "
-                        "that has the data sends it on, so the number that have it doubles.")
-    passed(name, f"matches broadcast on {' and '.join(str(n) for n, _ in runs)} ranks; every rank received "
-                 "once, at most ⌈log2 n⌉ messages from src")
+            raise wrong(name, f"{name} {where}: the values are right, but rank {busiest} sent "
+                        f"{sends[busiest]} messages, one after another, while the ranks that "
+                        "already had the data sent none; a binomial tree takes ⌈log2 n⌉ = "
+                        f"{rounds} rounds: each round, every rank that has the data sends it on, "
+                        "so the number that have it doubles.")
+    passed(name, f"matches broadcast on {' and '.join(str(n) for n, _ in runs)} ranks; every rank "
+                 "received once, at most ⌈log2 n⌉ messages from src")
 
 
-# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------------------
+# -- worked problems: estimates from the hardware sheet (minitp.exercises.problems) ----------------
 def _latency_equals_bandwidth_mb() -> float:
-    """B at which an all-reduce's α term, 2(n-1)α, equals its bandwidth term, 2(n-1)/n · B/β: B = n·α·β."""
+    """B at which an all-reduce's α term, 2(n-1)α, equals its bandwidth term, 2(n-1)/n · B/β: B =
+    n·α·β."""
     link = cost.H100.intra
     return 8 * link.alpha_s * link.bytes_per_s / 1e6
 
@@ -337,5 +360,6 @@ PROBLEMS = {
 
 
 def check_problem(number: int, answer) -> None:
-    """Problem ``number`` of chapter 00: ``answer()`` returns the estimate, in the unit the problem asks."""
+    """Problem ``number`` of chapter 00: ``answer()`` returns the estimate, in the unit the problem
+    asks."""
     problems.check_problem(PROBLEMS, number, answer)

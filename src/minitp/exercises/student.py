@@ -1,46 +1,49 @@
 """Learner copies of the chapters, and the website's form of them: answers out, or folded.
 
-The rule every chapter follows (00-08 and any later one; no chapter is special, no cell needs a tag):
+The rule every chapter follows (00-08 and any later one; no chapter is special, no cell needs a
+tag):
 
-1. **Answers** sit in code cells between a line ``### BEGIN SOLUTION`` and a line ``### END SOLUTION``
-   (indented like the code around them, usually inside a function body).
-2. **Checkers** are called as a function whose name starts with ``check_`` (``ch03.check_f_operator(f)``),
-   in the answer's own cell or in a cell after it.
-3. **Answer-derived cells**: a code cell that calls a checker, or reads a name an answer defines (the
-   function or class whose body holds the answer), or reads a name such a cell set
-   (``x = bubble(2, 8)`` then ``print(x)``), shows the answer at work. A cell that binds a name again
-   without reading the answer's clears it. Keep a cell out of this set (it stays visible everywhere)
-   by calling minitp's own function there instead of the learner's.
+1. **Answers** sit in code cells between a line ``### BEGIN SOLUTION`` and a line ``### END
+   SOLUTION`` (indented like the code around them, usually inside a function body).
+2. **Checkers** are called as a function whose name starts with ``check_``
+   (``ch03.check_f_operator(f)``), in the answer's own cell or in a cell after it.
+3. **Answer-derived cells**: a code cell that calls a checker, or reads a name an answer defines
+   (the function or class whose body holds the answer), or reads a name such a cell set
+   (``x = bubble(2, 8)`` then ``print(x)``), shows the answer at work. A cell that binds a name
+   again without reading the answer's clears it. Keep a cell out of this set (it stays visible
+   everywhere) by calling minitp's own function there instead of the learner's.
 
 What the two forms do with them:
 
-* **Learner copy** (``make student``; ``python -m minitp.exercises.student notebooks student``): each
+* **Learner copy** (``make student``; ``python -m minitp.exercises.student notebooks student``):
+  each
   answer region, markers included, becomes one line at the same indentation::
 
       raise NotImplementedError("Exercise: write this part, then run the checker below")
 
-  The answer cells and every answer-derived cell lose their outputs (no verdict, no "[ok]", no number
-  computed from an answer survives) and get the cell tag ``raises-exception``: JupyterLab's Run All
-  (and nbclient) then goes on past them, so an unfinished exercise shows "not done yet" and the rest
-  of the chapter still runs. Each exercise's hints stay; its worked answer ("Solution and why", folded
-  inside ``<details>``) does not: the fold says where the answer is (the solved chapter in
-  ``notebooks/``, and the website), so the copy itself reveals no answer. A live control's stored output (its
-  static twin, or any widget view: a fresh copy is not trusted, so JupyterLab would strip the twin's
-  style and show every stored panel at once) becomes one line, ``LIVE_CONTROL_LINE``, and the
-  notebook's ``widgets`` metadata goes: the control appears when its cell runs. The copy carries the
-  kernelspec JupyterLab writes (``KERNELSPEC``), so it opens unchanged, not marked unsaved. A copy
-  that already exists and differs from a fresh one (the learner's work) is kept unless ``--force``.
-* **Website form** (``website_notebook``, used by ``tools/mkdocs_hooks.py``): before each answer cell
-  a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived cells
-  right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs included,
-  behind ``<details>`` "Show a worked answer", after the exercise's hints (a Markdown cell opening with
-  ``**Hints``, or with its first hint's ``<details><summary>Hint`` fold, stored after the checker,
-  moves up to sit between the stub and the fold; its text from its first heading on, the next
-  exercise, stays where it was). A page has no kernel, so the live widgets go: each output loses its
-  ``application/vnd.jupyter.widget-view+json`` entry (the rest stays: a control's static twin is its
-  ``text/html``), an output left with only the widget's ``text/plain`` repr (``interactive(children=…``)
-  is dropped, and so is the notebook's ``widgets`` metadata (with it, the page would load a widget
-  renderer from a CDN).
+  The answer cells and every answer-derived cell lose their outputs (no verdict, no "[ok]", no
+  number computed from an answer survives) and get the cell tag ``raises-exception``: JupyterLab's
+  Run All (and nbclient) then goes on past them, so an unfinished exercise shows "not done yet" and
+  the rest of the chapter still runs. Each exercise's hints stay; its worked answer ("Solution and
+  why", folded inside ``<details>``) does not: the fold says where the answer is (the solved chapter
+  in ``notebooks/``, and the website), so the copy itself reveals no answer. A live control's stored
+  output (its static twin, or any widget view: a fresh copy is not trusted, so JupyterLab would
+  strip the twin's style and show every stored panel at once) becomes one line,
+  ``LIVE_CONTROL_LINE``, and the notebook's ``widgets`` metadata goes: the control appears when its
+  cell runs. The copy carries the kernelspec JupyterLab writes (``KERNELSPEC``), so it opens
+  unchanged, not marked unsaved. A copy that already exists and differs from a fresh one (the
+  learner's work) is kept unless ``--force``.
+* **Website form** (``website_notebook``, used by ``tools/mkdocs_hooks.py``): before each answer
+  cell a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived
+  cells right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs
+  included, behind ``<details>`` "Show a worked answer", after the exercise's hints (a Markdown cell
+  opening with ``**Hints``, or with its first hint's ``<details><summary>Hint`` fold, stored after
+  the checker, moves up to sit between the stub and the fold; its text from its first heading on,
+  the next exercise, stays where it was). A page has no kernel, so the live widgets go: each output
+  loses its ``application/vnd.jupyter.widget-view+json`` entry (the rest stays: a control's static
+  twin is its ``text/html``), an output left with only the widget's ``text/plain`` repr
+  (``interactive(children=…``) is dropped, and so is the notebook's ``widgets`` metadata (with it,
+  the page would load a widget renderer from a CDN).
 
 Only the standard library is used (the notebook is JSON), so this runs wherever minitp is installed.
 """
@@ -60,19 +63,23 @@ END = "### END SOLUTION"
 STUB = 'raise NotImplementedError("Exercise: write this part, then run the checker below")'
 CHAPTER_GLOB = "[0-9][0-9]_*.ipynb"
 CHECKER_PREFIX = "check_"
-CONTINUE_TAG = "raises-exception"  # JupyterLab and nbclient keep running the cells after an error here
+# JupyterLab and nbclient keep running the cells after an error here
+CONTINUE_TAG = "raises-exception"
 STUB_TAG = "minitp-stub"  # website form: the learner's stub of an answer cell
 ANSWER_TAG = "minitp-answer"  # website form: folded behind "Show a worked answer"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a live ipywidgets view: needs a kernel
-TWIN_CLASS = "minitp-explore-static"  # the outer class of a static twin (minitp.viz.explore.Explorer.static_html)
-LIVE_CONTROL_LINE = "Run this cell: the live control appears here."  # a learner copy's stand-in for a twin
-# What ipykernel installs and JupyterLab writes into a notebook it opens: stored the same, a chapter opens
-# unchanged (tests/test_student.py checks every chapter carries it).
+# the outer class of a static twin (minitp.viz.explore.Explorer.static_html)
+TWIN_CLASS = "minitp-explore-static"
+# a learner copy's stand-in for a twin
+LIVE_CONTROL_LINE = "Run this cell: the live control appears here."
+# What ipykernel installs and JupyterLab writes into a notebook it opens: stored the same, a chapter
+# opens unchanged (tests/test_student.py checks every chapter carries it).
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-# An exercise's hints: a Markdown cell that opens with **Hints, or straight with its first hint's fold
-# (<details><summary>Hint 1</summary>, as chapters 06 and 10 write some)
+# An exercise's hints: a Markdown cell that opens with **Hints, or straight with its first hint's
+# fold (<details><summary>Hint 1</summary>, as chapters 06 and 10 write some)
 HINTS = re.compile(r"\s*(\*\*Hints\b|<details>\s*<summary>\s*Hint\b)")
-HEADING = re.compile(r"#{1,6} ")  # a Markdown heading: in a hints cell, where the next exercise begins
+# a Markdown heading: in a hints cell, where the next exercise begins
+HEADING = re.compile(r"#{1,6} ")
 
 
 class SolutionMarkerError(ValueError):
@@ -101,7 +108,8 @@ def _marker(line: str) -> str | None:
 
 
 def solution_regions(source: str, where: str = "cell") -> list[tuple[int, int]]:
-    """The (BEGIN line, END line) pairs of ``source``, 1-based; bad pairing raises ``SolutionMarkerError``."""
+    """The (BEGIN line, END line) pairs of ``source``, 1-based; bad pairing raises
+    ``SolutionMarkerError``."""
     regions: list[tuple[int, int]] = []
     open_at: int | None = None  # line number of the BEGIN that is still open
     for number, line in enumerate(source.splitlines(), start=1):
@@ -115,7 +123,8 @@ def solution_regions(source: str, where: str = "cell") -> list[tuple[int, int]]:
             open_at = number
         elif marker == END:
             if open_at is None:
-                raise SolutionMarkerError(f"{where}, line {number}: '{END}' without a '{BEGIN}' before it")
+                raise SolutionMarkerError(
+                    f"{where}, line {number}: '{END}' without a '{BEGIN}' before it")
             regions.append((open_at, number))
             open_at = None
     if open_at is not None:
@@ -153,10 +162,11 @@ def _source_text(cell: dict) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-# -- which cells show an answer at work --------------------------------------------------------------
+# -- which cells show an answer at work ------------------------------------------------------------
 def _parse(source: str) -> ast.Module | None:
     """The cell's code as Python; IPython's ``%magic`` and ``!shell`` lines become blank lines."""
-    python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                       for line in source.splitlines())
     try:
         return ast.parse(python)
     except SyntaxError:
@@ -164,8 +174,8 @@ def _parse(source: str) -> ast.Module | None:
 
 
 def _scoped_names(statement: ast.AST) -> set[str]:
-    """Names a statement binds for its own use before reading them: loop and comprehension variables,
-    function and lambda arguments, ``with ... as`` and ``except ... as`` names."""
+    """Names a statement binds for its own use before reading them: loop and comprehension
+    variables, function and lambda arguments, ``with ... as`` and ``except ... as`` names."""
     names: set[str] = set()
     for node in ast.walk(statement):
         targets: list[ast.AST] = []
@@ -183,8 +193,8 @@ def _scoped_names(statement: ast.AST) -> set[str]:
 
 
 def _bound_names(statement: ast.stmt) -> set[str]:
-    """Names a top-level statement binds in the notebook's namespace (not imports: a module is never an
-    answer; not comprehension variables or arguments, which stay inside)."""
+    """Names a top-level statement binds in the notebook's namespace (not imports: a module is never
+    an answer; not comprehension variables or arguments, which stay inside)."""
     if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return {statement.name}
     if isinstance(statement, (ast.Import, ast.ImportFrom)):
@@ -198,14 +208,17 @@ def _bound_names(statement: ast.stmt) -> set[str]:
 
 
 def _reads(statement: ast.AST) -> set[str]:
-    """Names a statement reads from the notebook's namespace (its own loop variables and arguments aside)."""
-    loads = {node.id for node in ast.walk(statement) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    """Names a statement reads from the notebook's namespace (its own loop variables and arguments
+    aside)."""
+    loads = {node.id for node in ast.walk(statement) if isinstance(node, ast.Name)
+             and isinstance(node.ctx, ast.Load)}
     return loads - _scoped_names(statement)
 
 
 def _calls_checker(statement: ast.AST) -> bool:
-    """Whether the statement calls an exercise's checker: ``chNN.check_x(...)`` or a bare ``check_x(...)``
-    imported from the chapter's module; a library's own ``cost.check_3d_layout(...)`` is not one."""
+    """Whether the statement calls an exercise's checker: ``chNN.check_x(...)`` or a bare
+    ``check_x(...)`` imported from the chapter's module; a library's own
+    ``cost.check_3d_layout(...)`` is not one."""
     for node in ast.walk(statement):
         if isinstance(node, ast.Call):
             func = node.func
@@ -222,7 +235,8 @@ def _calls_checker(statement: ast.AST) -> bool:
 
 
 def answer_cells(notebook: dict, name: str = "notebook") -> dict[int, str]:
-    """Index -> why, for every code cell that holds an answer or shows one at work (see the module doc).
+    """Index -> why, for every code cell that holds an answer or shows one at work (see the module
+    doc).
 
     Reasons: ``"answer"``, ``"checker"`` (calls a ``check_*`` function), ``"uses NAME"``.
     """
@@ -232,14 +246,16 @@ def answer_cells(notebook: dict, name: str = "notebook") -> dict[int, str]:
         if cell.get("cell_type") != "code":
             continue
         text = _source_text(cell)
-        regions = solution_regions(text, where=f"{name}, cell {index}") if BEGIN in text or END in text else []
+        regions = solution_regions(
+            text, where=f"{name}, cell {index}") if BEGIN in text or END in text else []
         tree = _parse(text)
         if tree is None:  # not Python we can read: judge by the words in it
             words = set(re.findall(r"[A-Za-z_]\w*", text))
             if regions:
                 found[index] = "answer"
             elif words & tainted or re.search(rf"\b{CHECKER_PREFIX}\w*\(", text):
-                found[index] = "uses " + ", ".join(sorted(words & tainted)) if words & tainted else "checker"
+                found[index] = "uses " + ", ".join(sorted(
+                    words & tainted)) if words & tainted else "checker"
             continue
         if regions:
             found[index] = "answer"
@@ -253,11 +269,12 @@ def answer_cells(notebook: dict, name: str = "notebook") -> dict[int, str]:
                     found[index] = "checker" if checker else "uses " + ", ".join(sorted(read))
                 tainted |= _bound_names(statement)
             else:
-                tainted -= _bound_names(statement)  # bound again without the answer: no longer derived
+                # bound again without the answer: no longer derived
+                tainted -= _bound_names(statement)
     return found
 
 
-# -- the learner's copy ---------------------------------------------------------------------------------
+# -- the learner's copy ----------------------------------------------------------------------------
 def _clear(cell: dict) -> None:
     cell["outputs"] = []
     cell["execution_count"] = None
@@ -267,7 +284,8 @@ def _clear(cell: dict) -> None:
 
 
 def is_live_control(output: dict) -> bool:
-    """Whether a stored output is a live control: a static twin (``TWIN_CLASS``) or a widget view."""
+    """Whether a stored output is a live control: a static twin (``TWIN_CLASS``) or a widget
+    view."""
     data = output.get("data")
     if not isinstance(data, dict):
         return False
@@ -276,27 +294,30 @@ def is_live_control(output: dict) -> bool:
 
 
 def without_stored_controls(outputs: list[dict]) -> list[dict]:
-    """A learner copy's outputs: each live control's stored output (see :func:`is_live_control`) becomes
-    one line, ``LIVE_CONTROL_LINE`` (once per cell); the other outputs stay as they are."""
+    """A learner copy's outputs: each live control's stored output (see :func:`is_live_control`)
+    becomes one line, ``LIVE_CONTROL_LINE`` (once per cell); the other outputs stay as they are."""
     kept, replaced = [], False
     for output in outputs:
         if not is_live_control(output):
             kept.append(output)
         elif not replaced:
-            kept.append({"output_type": "display_data", "data": {"text/plain": [LIVE_CONTROL_LINE]}, "metadata": {}})
+            kept.append({"output_type": "display_data", "data": {"text/plain": [LIVE_CONTROL_LINE]},
+                         "metadata": {}})
             replaced = True
     return kept
 
 
 def student_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int, int]:
-    """The learner's copy of a notebook (as loaded JSON): ``(copy, regions removed, cells changed)``.
+    """The learner's copy of a notebook (as loaded JSON): ``(copy, regions removed, cells
+    changed)``.
 
     "Cells changed" counts the cells that lost an answer; answer-derived cells are cleared too. Each
     live control's stored output becomes one line; the kernelspec is JupyterLab's (``KERNELSPEC``).
     """
     copy = json.loads(json.dumps(notebook))
     metadata = copy.setdefault("metadata", {})
-    metadata.pop("widgets", None)  # the state of widgets whose kernel is gone: no view is left to use it
+    # the state of widgets whose kernel is gone: no view is left to use it
+    metadata.pop("widgets", None)
     metadata["kernelspec"] = dict(KERNELSPEC)
     for cell in copy.get("cells", []):
         if cell.get("outputs"):
@@ -305,7 +326,8 @@ def student_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int,
         if cell.get("cell_type") == "markdown":
             text = _source_text(cell)
             if SOLUTION_FOLD.search(text):
-                cell["source"] = SOLUTION_FOLD.sub(_answer_elsewhere(name), text).splitlines(keepends=True)
+                cell["source"] = SOLUTION_FOLD.sub(_answer_elsewhere(name),
+                                                   text).splitlines(keepends=True)
     regions = cells = 0
     for index, why in answer_cells(copy, name).items():
         cell = copy["cells"][index]
@@ -323,9 +345,9 @@ SOLUTION_FOLD = re.compile(r"<details>\s*<summary>Solution and why</summary>.*?<
 
 def _answer_elsewhere(name: str) -> str:
     """What a learner copy holds in place of a worked answer's fold."""
-    return ("<details><summary>Solution and why</summary>\n\nNot in your copy: the answer and its reasoning are "
-            f"in the solved chapter, `notebooks/{name}`, and on the website under \"Show a worked answer\". "
-            "Try the hints first.\n</details>")
+    return ("<details><summary>Solution and why</summary>\n\nNot in your copy: the answer and its "
+            f"reasoning are in the solved chapter, `notebooks/{name}`, and on the website under "
+            "\"Show a worked answer\". Try the hints first.\n</details>")
 
 
 def _notebook_text(notebook: dict) -> str:
@@ -335,8 +357,8 @@ def _notebook_text(notebook: dict) -> str:
 def write_student_copy(source: Path, target: Path, force: bool = True) -> StudentCopy:
     """Write the learner's copy of the notebook ``source`` to ``target``.
 
-    With ``force=False`` an existing ``target`` that differs from a fresh copy (the learner's work, or
-    a copy of an older chapter) is left as it is; the result says so (``kept``).
+    With ``force=False`` an existing ``target`` that differs from a fresh copy (the learner's work,
+    or a copy of an older chapter) is left as it is; the result says so (``kept``).
     """
     notebook = json.loads(Path(source).read_text(encoding="utf-8"))
     copy, regions, cells = student_notebook(notebook, name=Path(source).name)
@@ -350,8 +372,10 @@ def write_student_copy(source: Path, target: Path, force: bool = True) -> Studen
     return StudentCopy(Path(source), target, regions, cells, cleared, kept)
 
 
-def write_student_copies(notebook_dir: Path, student_dir: Path, force: bool = True) -> list[StudentCopy]:
-    """A learner's copy of every chapter ``NN_*.ipynb`` of ``notebook_dir``, written into ``student_dir``.
+def write_student_copies(notebook_dir: Path, student_dir: Path,
+                         force: bool = True) -> list[StudentCopy]:
+    """A learner's copy of every chapter ``NN_*.ipynb`` of ``notebook_dir``, written into
+    ``student_dir``.
 
     Every notebook is checked before any is written, so bad markers leave ``student_dir`` untouched.
     """
@@ -364,7 +388,7 @@ def write_student_copies(notebook_dir: Path, student_dir: Path, force: bool = Tr
     return [write_student_copy(source, student_dir / source.name, force) for source in sources]
 
 
-# -- the website's form ---------------------------------------------------------------------------------
+# -- the website's form ----------------------------------------------------------------------------
 def without_widgets(outputs: list[dict]) -> list[dict]:
     """The outputs a page without a kernel can show: every live widget view dropped, and with it an
     output that had nothing else but the widget's plain-text repr (``VBox(children=…``)."""
@@ -377,7 +401,8 @@ def without_widgets(outputs: list[dict]) -> list[dict]:
                 continue
             output = {**output, "data": data}
             if isinstance(output.get("metadata"), dict):
-                output["metadata"] = {k: v for k, v in output["metadata"].items() if k != WIDGET_VIEW}
+                output["metadata"] = {k: v for k, v in output["metadata"].items()
+                                      if k != WIDGET_VIEW}
         kept.append(output)
     return kept
 
@@ -386,11 +411,11 @@ def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]
     """The notebook as the website shows it: ``(copy, number of folds)``.
 
     Before each answer cell, its stub (tag ``minitp-stub``, no output); the answer cell and the
-    answer-derived cells that follow it without a Markdown cell between are tagged ``minitp-answer``.
-    An answer-derived cell further on is tagged too and becomes a fold of its own. The exercise's hints
-    (a Markdown cell opening with ``**Hints`` or with a hint's fold, right after a fold) move up before
-    the fold: hints first, the worked answer last. No live widget is left (see :func:`without_widgets`),
-    nor the ``widgets`` metadata.
+    answer-derived cells that follow it without a Markdown cell between are tagged
+    ``minitp-answer``. An answer-derived cell further on is tagged too and becomes a fold of its
+    own. The exercise's hints (a Markdown cell opening with ``**Hints`` or with a hint's fold, right
+    after a fold) move up before the fold: hints first, the worked answer last. No live widget is
+    left (see :func:`without_widgets`), nor the ``widgets`` metadata.
     """
     original = json.loads(json.dumps(notebook))
     original.get("metadata", {}).pop("widgets", None)
@@ -416,7 +441,8 @@ def website_notebook(notebook: dict, name: str = "notebook") -> tuple[dict, int]
         cells.append(cell)
     original["cells"] = _hints_before_folds(cells)
     folded = [_folded(cell) for cell in original["cells"]]
-    folds = sum(now and not before for before, now in zip([False] + folded, folded))  # runs of folded cells
+    # runs of folded cells
+    folds = sum(now and not before for before, now in zip([False] + folded, folded))
     return original, folds
 
 
@@ -459,7 +485,8 @@ def _hints_before_folds(cells: list[dict]) -> list[dict]:
             end += 1
         hints, rest = [], None
         next_cell = end
-        while rest is None and next_cell < len(cells) and cells[next_cell].get("cell_type") == "markdown" \
+        while rest is None and next_cell < len(
+            cells) and cells[next_cell].get("cell_type") == "markdown" \
                 and HINTS.match(_source_text(cells[next_cell])):
             part, rest = _split_at_heading(cells[next_cell])
             hints.append(part)
@@ -472,7 +499,8 @@ def _hints_before_folds(cells: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m minitp.exercises.student",
-        description="Write the learner's copies of the chapters, with the solutions replaced by stubs.",
+        description="Write the learner's copies of the chapters, with the solutions replaced by "
+                    "stubs.",
     )
     parser.add_argument("notebooks", type=Path, help="folder of solved chapters (NN_*.ipynb)")
     parser.add_argument("student", type=Path, help="folder to write the learner's copies into")
@@ -489,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{copy.target}: kept as it is (it differs from a fresh copy: your work?); "
                   "delete it, or run `make student`, for a fresh one")
         else:
-            print(f"{copy.target}: {copy.regions} solution region(s) in {copy.cells} cell(s) replaced by stubs, "
-                  f"outputs of {copy.cleared} answer-derived cell(s) cleared")
+            print(f"{copy.target}: {copy.regions} solution region(s) in {copy.cells} cell(s) "
+                  f"replaced by stubs, outputs of {copy.cleared} answer-derived cell(s) cleared")
     if not copies:
         print(f"no chapters ({CHAPTER_GLOB}) in {args.notebooks}")
     return 0

@@ -1,9 +1,10 @@
-"""A live progress line for launched runs of more than a second, when ``MINITP_PROGRESS=1`` asks for it.
+"""A live progress line for launched runs of more than a second, when ``MINITP_PROGRESS=1`` asks for
+it.
 
 ``make lab`` sets the variable, so a learner sees which step each rank is at while a cell runs (in
 place of a bare ``[*]``). It is off otherwise: ``make notebooks`` and nbval run without it, so no
-stored output ever holds a progress line. In a notebook the line is one display, updated in place and
-emptied when the run ends; in a terminal it is rewritten on stderr and erased.
+stored output ever holds a progress line. In a notebook the line is one display, updated in place
+and emptied when the run ends; in a terminal it is rewritten on stderr and erased.
 
 Ranks report with ``step(index, total)`` (the shared training loop does); the parent reads what each
 rank wrote into the run's folder (``MINITP_PROGRESS_DIR``, set by ``launch`` for its ranks).
@@ -30,7 +31,8 @@ _sink = None  # while `to(callback)` is active: where the parent's progress line
 @contextlib.contextmanager
 def to(callback):
     """Send the parent's progress lines to ``callback(text)`` instead of a display or the terminal,
-    and have the ranks report even when ``MINITP_PROGRESS`` is off (a live control's status line)."""
+    and have the ranks report even when ``MINITP_PROGRESS`` is off (a live control's status
+    line)."""
     global _sink
     old_sink, old_env = _sink, os.environ.get(ENV)
     _sink = callback
@@ -46,12 +48,14 @@ def to(callback):
 
 
 def enabled() -> bool:
-    """``MINITP_PROGRESS`` read as ``guard.env_flag`` reads every flag: 1/0, true/false, yes/no, on/off."""
+    """``MINITP_PROGRESS`` read as ``guard.env_flag`` reads every flag: 1/0, true/false, yes/no,
+    on/off."""
     return env_flag(ENV)
 
 
 def step(index: int, total: int | None = None, what: str = "step") -> None:
-    """In a launched rank: this rank is at step ``index`` (0-based) of ``total``. Free when progress is off."""
+    """In a launched rank: this rank is at step ``index`` (0-based) of ``total``. Free when progress
+    is off."""
     folder = os.environ.get(DIR_ENV)
     if not folder or not enabled():
         return

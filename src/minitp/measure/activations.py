@@ -27,7 +27,8 @@ class SavedTensors:
     """Counts the bytes of distinct storages autograd saves while active (parameters left out)."""
 
     def __init__(self, module: nn.Module):
-        self.held = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+        self.held = {t.untyped_storage().data_ptr() for t in [*module.parameters(),
+                                                              *module.buffers()]}
         self.storages: dict[int, int] = {}  # data_ptr -> nbytes
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -55,8 +56,10 @@ def saved_bytes_per_block(model: nn.Module, run) -> list[int]:
     handles = []
     for block, counter in zip(model.layers, counters):
         # a hook's return value would replace the block's input or output: return None
-        handles.append(block.register_forward_pre_hook(lambda _m, _a, c=counter: c.__enter__() and None))
-        handles.append(block.register_forward_hook(lambda _m, _a, _o, c=counter: c.__exit__(None, None, None)))
+        handles.append(block.register_forward_pre_hook(lambda _m, _a, c=counter: c.__enter__()
+                                                       and None))
+        handles.append(block.register_forward_hook(
+            lambda _m, _a, _o, c=counter: c.__exit__(None, None, None)))
     try:
         run()
     finally:
@@ -66,7 +69,8 @@ def saved_bytes_per_block(model: nn.Module, run) -> list[int]:
 
 
 class _Recompute(torch.autograd.Function):
-    """Keep only the input x; in backward run ``forward`` again with gradients on, then its backward."""
+    """Keep only the input x; in backward run ``forward`` again with gradients on, then its
+    backward."""
 
     @staticmethod
     def forward(ctx, x, forward, args):

@@ -24,11 +24,12 @@ are read and checked here, and handed to it as a ``Device``.
   tensor parallel, against the plain step, less a bare one-rank all-reduce per collective it calls
   (the time model charges a collective as α): their hooks, autograd Functions, gathers and releases,
   trace records (``ddp_own_s``, ``fsdp_own_s``, ``tp_own_s``, ``fit_own_work``). Measured where no
-  message crosses anything, so nothing in it is fitted to the runs it predicts. In the same way, what
-  one operation ring attention and a MoE add costs (``cp_op_s``, ``ep_op_s``, ``fit_op_costs``): the
-  growth of their forward+backward at one rank over the plain model's, per operation added (their
-  indexing, masking and scattering of small tensors cost about twice ``op_s``). These two runs build
-  strategies, so they are a runner's (``minitp.runs.measuring``); only their fits are here.
+  message crosses anything, so nothing in it is fitted to the runs it predicts. In the same way,
+  what one operation ring attention and a MoE add costs (``cp_op_s``, ``ep_op_s``,
+  ``fit_op_costs``): the growth of their forward+backward at one rank over the plain model's, per
+  operation added (their indexing, masking and scattering of small tensors cost about twice
+  ``op_s``). These two runs build strategies, so they are a runner's (``minitp.runs.measuring``);
+  only their fits are here.
 * α and β: all-reduces of a few sizes on 2 ranks over gloo, each issued as training issues them,
   after a burst of compute (a few of the tiny model's matmuls), and fitted to
   T(B) = 2(n-1)·α + 2(n-1)/n · B/β (n = 2: T = 2α + B/β) by least squares on the **mean** time per
@@ -66,7 +67,8 @@ TINY_SHAPE = (128, 64, 128)  # (M, K, N): tokens, D, F of the tiny model at batc
 
 
 def matmul_flops_per_s(m: int, k: int, n: int, repeats: int = 50, seconds: float = 0.2) -> float:
-    """FLOP/s of (m, k) @ (k, n) in fp32 on one thread: 2mkn per multiply, the best of a few rounds."""
+    """FLOP/s of (m, k) @ (k, n) in fp32 on one thread: 2mkn per multiply, the best of a few
+    rounds."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -87,10 +89,10 @@ def matmul_flops_per_s(m: int, k: int, n: int, repeats: int = 50, seconds: float
 
 def tiny_step_s(microbatches: tuple[int, ...] = (1, 8), batch: int = 8, seq: int = 16,
                 repeats: int = 20) -> dict[int, float]:
-    """{m: seconds of the fastest of ``repeats`` training steps of the tiny model on one thread}, its
-    batch cut into m micro-batches whose gradients accumulate before one AdamW step. The counts of
-    micro-batches take turns, step by step, so that what else runs on the machine slows them alike;
-    the first two rounds warm up."""
+    """{m: seconds of the fastest of ``repeats`` training steps of the tiny model on one thread},
+    its batch cut into m micro-batches whose gradients accumulate before one AdamW step. The counts
+    of micro-batches take turns, step by step, so that what else runs on the machine slows them
+    alike; the first two rounds warm up."""
     from minitp.models import TINY, build_model, loss_fn
     from minitp.models.train import make_optimizer
 
@@ -100,7 +102,8 @@ def tiny_step_s(microbatches: tuple[int, ...] = (1, 8), batch: int = 8, seq: int
         model = build_model(TINY, seed=0)
         optimizer = make_optimizer(model.parameters(), 1e-3)
         g = torch.Generator().manual_seed(0)
-        tokens, targets = (torch.randint(0, TINY.vocab_size, (batch, seq), generator=g) for _ in range(2))
+        tokens, targets = (torch.randint(0, TINY.vocab_size, (batch, seq), generator=g)
+                           for _ in range(2))
         best = {m: float("inf") for m in microbatches}
         for i in range(repeats + 2):
             for m in microbatches:
@@ -137,23 +140,26 @@ def count_ops(batch: int = 8, seq: int = 16) -> int:
     from minitp.models import TINY, build_model, loss_fn
 
     model = build_model(TINY, seed=0)
-    tokens = torch.randint(0, TINY.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, TINY.vocab_size, (batch, seq),
+                           generator=torch.Generator().manual_seed(0))
     return count_dispatched(lambda: loss_fn(model(tokens), tokens).backward())
 
 
-def fit_fixed_costs(step_one: float, step_many: float, microbatches: int, flops_s: float, ops: int) -> dict:
+def fit_fixed_costs(step_one: float, step_many: float, microbatches: int, flops_s: float,
+                    ops: int) -> dict:
     """The fixed costs from the tiny model's step at one micro-batch (``step_one`` seconds) and at
     ``microbatches`` (``step_many``), the same batch and FLOPs (``flops_s`` seconds at the measured
-    rate): per micro-batch the growth per one added, per step what is left of ``step_one`` beyond its
-    FLOPs and its micro-batch, per small operation the micro-batch's over its ``ops`` operations."""
+    rate): per micro-batch the growth per one added, per step what is left of ``step_one`` beyond
+    its FLOPs and its micro-batch, per small operation the micro-batch's over its ``ops``
+    operations."""
     microbatch = max(0.0, (step_many - step_one) / (microbatches - 1))
-    return {"step_overhead_s": max(0.0, step_one - flops_s - microbatch), "microbatch_overhead_s": microbatch,
-            "op_s": microbatch / ops, "microbatch_ops": ops}
+    return {"step_overhead_s": max(0.0, step_one - flops_s - microbatch),
+            "microbatch_overhead_s": microbatch, "op_s": microbatch / ops, "microbatch_ops": ops}
 
 
 def _busy_step_worker(repeats: int) -> float:
-    """The median seconds of the tiny model's training step (one micro-batch, AdamW) on this rank, every
-    rank of the launch stepping at the same time (a barrier before each step)."""
+    """The median seconds of the tiny model's training step (one micro-batch, AdamW) on this rank,
+    every rank of the launch stepping at the same time (a barrier before each step)."""
     import torch.distributed as dist
 
     from minitp.models import TINY, build_model, loss_fn
@@ -176,14 +182,16 @@ def _busy_step_worker(repeats: int) -> float:
 
 
 def busy_slowdown(alone: float, together: list[float]) -> float:
-    """How many times slower a step runs when every core runs a rank than on one rank alone: the ranks'
-    mean over the lone rank's (at least 1: a faster crowd is noise). Caches, memory bandwidth and the
-    cores' shared clock make it more than 1 on most machines, before any message is sent."""
+    """How many times slower a step runs when every core runs a rank than on one rank alone: the
+    ranks' mean over the lone rank's (at least 1: a faster crowd is noise). Caches, memory bandwidth
+    and the cores' shared clock make it more than 1 on most machines, before any message is sent."""
     return max(1.0, statistics.fmean(together) / alone)
 
 
-SHARED_MAX_RANKS = 8  # more ranks than this (a machine of more than 4 cores): not measured at 2·cores ranks
-MICROBATCHES = 8  # the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
+# more ranks than this (a machine of more than 4 cores): not measured at 2·cores ranks
+SHARED_MAX_RANKS = 8
+# the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
+MICROBATCHES = 8
 
 
 def moe_extra_flops_s(flops_per_s: float, batch: int = 8, seq: int = 16) -> float:
@@ -194,23 +202,27 @@ def moe_extra_flops_s(flops_per_s: float, batch: int = 8, seq: int = 16) -> floa
     from minitp.models.moe import moe_config
 
     moe = moe_config(TINY, n_experts=8, top_k=2, capacity_factor=1.25)
-    return batch * seq * (training_flops_per_token(moe, seq) - training_flops_per_token(TINY, seq)) / flops_per_s
+    return batch * seq * (training_flops_per_token(
+        moe, seq) - training_flops_per_token(TINY, seq)) / flops_per_s
 
 
 def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
-    """Measure and fit the fixed costs of a step, of a micro-batch and of one operation (``fit_fixed_costs``)."""
+    """Measure and fit the fixed costs of a step, of a micro-batch and of one operation
+    (``fit_fixed_costs``)."""
     from minitp.cost import training_flops_per_token
     from minitp.models import TINY
 
     flops_s = batch * seq * training_flops_per_token(TINY, seq) / flops_per_s
     steps = tiny_step_s((1, MICROBATCHES), batch, seq)
-    return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s, count_ops(batch // MICROBATCHES, seq))
+    return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s,
+                           count_ops(batch // MICROBATCHES, seq))
 
 
 OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``minitp.runs.measuring`` times at one rank
 
 
-def fit_own_work(step_s: dict[str, float], calls: dict[str, int], call_s: float) -> dict[str, float]:
+def fit_own_work(step_s: dict[str, float], calls: dict[str, int],
+                 call_s: float) -> dict[str, float]:
     """{"ddp_own_s": ..., "fsdp_own_s": ..., "tp_own_s": ...}: what each strategy's step at one rank
     costs beyond the plain model's step and beyond its collectives' bare calls (``call_s`` each; the
     time model charges the calls as α): the strategy's own code. 0 where noise makes it negative."""
@@ -218,14 +230,17 @@ def fit_own_work(step_s: dict[str, float], calls: dict[str, int], call_s: float)
             for name in OWN_STRATEGIES}
 
 
-def fit_op_costs(fb_s: dict[str, float], ops: dict[str, int], moe_flops_s: float = 0.0) -> dict[str, float]:
-    """{"cp_op_s": ..., "ep_op_s": ...}: the growth of the forward+backward over the plain model's per
-    operation added, under ring attention and as a MoE (less ``moe_flops_s``, the time of the MoE's
-    extra FLOPs at the measured rate). None where nothing was added; 0 where noise makes it negative."""
+def fit_op_costs(fb_s: dict[str, float], ops: dict[str, int],
+                 moe_flops_s: float = 0.0) -> dict[str, float]:
+    """{"cp_op_s": ..., "ep_op_s": ...}: the growth of the forward+backward over the plain model's
+    per operation added, under ring attention and as a MoE (less ``moe_flops_s``, the time of the
+    MoE's extra FLOPs at the measured rate). None where nothing was added; 0 where noise makes it
+    negative."""
     out = {}
     for name in ("cp", "ep"):
         added, extra = ops[name] - ops["plain"], moe_flops_s if name == "ep" else 0.0
-        out[f"{name}_op_s"] = max(0.0, (fb_s[name] - fb_s["plain"] - extra) / added) if added > 0 else None
+        out[f"{name}_op_s"] = max(0.0, (
+            fb_s[name] - fb_s["plain"] - extra) / added) if added > 0 else None
     return out
 
 
@@ -249,7 +264,8 @@ def _all_reduce_worker(sizes: tuple[int, ...], repeats: int) -> dict:
             t0 = time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t0)
-        out[nbytes] = (statistics.fmean(times[2:]), min(times[2:]))  # the first two warm the connection up
+        # the first two warm the connection up
+        out[nbytes] = (statistics.fmean(times[2:]), min(times[2:]))
     bursts = []
     for _ in range(3):
         dist.barrier()
@@ -269,22 +285,28 @@ def fit_alpha_beta(times: dict[int, float], n: int = 2) -> tuple[float, float]:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
     if slope <= 0:
-        raise ValueError(f"all-reduce times do not grow with size ({times}); calibrate again on a quieter machine")
+        raise ValueError(f"all-reduce times do not grow with size ({times}); calibrate again on a "
+                         "quieter machine")
     return max(intercept, 0.0) / (2 * (n - 1)), 1.0 / slope
 
 
 def check_store(path: str | None = None) -> str:
     """Refuse, before anything is measured, a place ``save`` could not write: a folder given as the
-    file, a file where a folder of the path should be, a folder that cannot be written. Returns the path."""
+    file, a file where a folder of the path should be, a folder that cannot be written. Returns the
+    path."""
     path = os.path.abspath(path or calibration_path())
     if os.path.isdir(path):
-        raise ValueError(f"the calibration file {path} is a folder; set {CALIBRATION_ENV} to a file's path")
+        raise ValueError(
+            f"the calibration file {path} is a folder; set {CALIBRATION_ENV} to a file's path")
     folder = os.path.dirname(path)
-    while not os.path.exists(folder):  # the first part of the path that exists must be a writable folder
+    # the first part of the path that exists must be a writable folder
+    while not os.path.exists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-        raise ValueError(f"cannot store the calibration at {path}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(
+            f"cannot store the calibration at {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
+                                                    and not os.access(path, os.W_OK)):
         raise ValueError(f"cannot store the calibration at {path}: {folder} is not writable; set "
                          f"{CALIBRATION_ENV} to a writable place or use --dry-run")
     return path
@@ -302,31 +324,33 @@ def save(cal: dict, path: str | None = None) -> str:
     return path
 
 
-# -- reading it back: where it is stored, and whether the time model can use it ----------------------
-CALIBRATION_ENV = "MINITP_CALIBRATION"  # where to store and read the figures (a test points it elsewhere)
+# -- reading it back: where it is stored, and whether the time model can use it --------------------
+# where to store and read the figures (a test points it elsewhere)
+CALIBRATION_ENV = "MINITP_CALIBRATION"
 MAX_FILE_BYTES = 2**20  # a calibration is about a kilobyte; a larger file is not one
 
-# the figures the time model uses (``device_from_calibration``) and ``minitp calibrate`` stores beside
-# them: (name, required, what a value must be)
+# the figures the time model uses (``device_from_calibration``) and ``minitp calibrate`` stores
+# beside them: (name, required, what a value must be)
 FIGURES = (
     ("flops_per_s", True, "> 0"), ("bytes_per_s", True, "> 0"), ("alpha_s", True, ">= 0"),
-    ("step_overhead_s", False, ">= 0"), ("microbatch_overhead_s", False, ">= 0"), ("op_s", False, ">= 0"),
-    ("memory_bytes", False, ">= 0"), ("ddp_own_s", False, ">= 0"), ("fsdp_own_s", False, ">= 0"),
-    ("tp_own_s", False, ">= 0"), ("cp_op_s", False, ">= 0"), ("ep_op_s", False, ">= 0"),
-    ("flops_per_s_large", False, "> 0"), ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
-    ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"), ("shared_slowdown", False, "> 0"),
-    ("busy_slowdown", False, "> 0"),
+    ("step_overhead_s", False, ">= 0"), ("microbatch_overhead_s", False, ">= 0"),
+    ("op_s", False, ">= 0"), ("memory_bytes", False, ">= 0"), ("ddp_own_s", False, ">= 0"),
+    ("fsdp_own_s", False, ">= 0"), ("tp_own_s", False, ">= 0"), ("cp_op_s", False, ">= 0"),
+    ("ep_op_s", False, ">= 0"), ("flops_per_s_large", False, "> 0"),
+    ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
+    ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"),
+    ("shared_slowdown", False, "> 0"), ("busy_slowdown", False, "> 0"),
 )
 # a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
-MAY_BE_NULL = ("cp_op_s", "ep_op_s", "flops_per_s_large", "bytes_per_s_min", "alpha_min_s", "alpha_shared_s",
-               "bytes_per_s_shared", "shared_slowdown", "busy_slowdown")
+MAY_BE_NULL = ("cp_op_s", "ep_op_s", "flops_per_s_large", "bytes_per_s_min", "alpha_min_s",
+               "alpha_shared_s", "bytes_per_s_shared", "shared_slowdown", "busy_slowdown")
 
 
 def calibration_path() -> str:
     """Where ``minitp calibrate`` stores this machine's figures: $MINITP_CALIBRATION, else
     ~/.cache/minitp/calibration.json."""
-    return os.environ.get(CALIBRATION_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "minitp",
-                                                           "calibration.json")
+    return os.environ.get(CALIBRATION_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "minitp", "calibration.json")
 
 
 def _shown(value) -> str:
@@ -351,8 +375,9 @@ def _is_number(value) -> bool:
 
 
 def check_calibration(cal) -> str | None:
-    """Why ``cal`` cannot time a step ("ignored: FIELD is VALUE, expected ..."), or None when it can:
-    finite positive rates, a finite non-negative α and overhead, a whole number of cores (not a bool)."""
+    """Why ``cal`` cannot time a step ("ignored: FIELD is VALUE, expected ..."), or None when it
+    can: finite positive rates, a finite non-negative α and overhead, a whole number of cores (not a
+    bool)."""
     if not isinstance(cal, dict):
         return f"ignored: the calibration is {_shown(cal)}, expected a JSON object of figures"
     for name, required, low in FIGURES:
@@ -374,8 +399,8 @@ def check_calibration(cal) -> str | None:
 
 
 def read_calibration(path: str | None = None) -> tuple[dict | None, str | None]:
-    """(figures, None) from the stored calibration; (None, None) when none is stored; (None, why) when
-    the file is not a calibration the time model can use: never an exception."""
+    """(figures, None) from the stored calibration; (None, None) when none is stored; (None, why)
+    when the file is not a calibration the time model can use: never an exception."""
     path = path or calibration_path()
     try:
         with open(path, "rb") as f:
@@ -385,7 +410,8 @@ def read_calibration(path: str | None = None) -> tuple[dict | None, str | None]:
     except OSError as e:
         return None, f"ignored: {path} is not a calibration file ({e.strerror or type(e).__name__})"
     if len(data) > MAX_FILE_BYTES:
-        return None, f"ignored: {path} is not a calibration file (larger than {MAX_FILE_BYTES} bytes)"
+        return (None,
+                f"ignored: {path} is not a calibration file (larger than {MAX_FILE_BYTES} bytes)")
     try:
         cal = json.loads(data)
     except RecursionError:
@@ -401,14 +427,14 @@ def read_calibration(path: str | None = None) -> tuple[dict | None, str | None]:
 
 
 def load_calibration(path: str | None = None) -> dict | None:
-    """The stored calibration, or None when there is none (or it cannot be used: ``read_calibration``
-    says why)."""
+    """The stored calibration, or None when there is none (or it cannot be used:
+    ``read_calibration`` says why)."""
     return read_calibration(path)[0]
 
 
 def this_machine(path: str | None = None) -> Device | None:
-    """This machine as a Device, from ``minitp calibrate``'s stored figures (None if never calibrated,
-    or if what is stored cannot be used)."""
+    """This machine as a Device, from ``minitp calibrate``'s stored figures (None if never
+    calibrated, or if what is stored cannot be used)."""
     cal = load_calibration(path)
     return device_from_calibration(cal) if cal else None
 
@@ -442,15 +468,18 @@ def _own(cal: dict) -> str:
 
 
 def _shared(cal: dict) -> str:
-    busy = (f"; every core busy: a step {cal['busy_slowdown']:.2f}x slower" if cal.get("busy_slowdown") else "")
+    busy = (f"; every core busy: a step {cal['busy_slowdown']:.2f}x slower"
+            if cal.get("busy_slowdown") else "")
     if cal.get("alpha_shared_s") is None or cal.get("bytes_per_s_shared") is None:
         return busy
     return busy + (f"; at {2 * cal['cores']} ranks: α = {cal['alpha_shared_s'] * 1e6:.1f} µs, β = "
                    f"{cal['bytes_per_s_shared'] / 1e9:.2f} GB/s"
-                   + (f", compute {cal['shared_slowdown']:.2f}x slower" if cal.get("shared_slowdown") else ""))
+                   + (f", compute {cal['shared_slowdown']:.2f}x slower"
+                      if cal.get("shared_slowdown") else ""))
 
 
 def _fastest(cal: dict) -> str:
     if cal.get("alpha_min_s") is None or cal.get("bytes_per_s_min") is None:
         return ""
-    return f"; fastest calls: α = {cal['alpha_min_s'] * 1e6:.1f} µs, β = {cal['bytes_per_s_min'] / 1e9:.2f} GB/s"
+    return (f"; fastest calls: α = {cal['alpha_min_s'] * 1e6:.1f} µs, β = "
+            f"{cal['bytes_per_s_min'] / 1e9:.2f} GB/s")

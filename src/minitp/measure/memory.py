@@ -7,8 +7,8 @@ import torch
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the storages behind ``tensors``, each storage counted once (views and shards that share
-    one are not counted twice); None and non-tensors are skipped."""
+    """Bytes of the storages behind ``tensors``, each storage counted once (views and shards that
+    share one are not counted twice); None and non-tensors are skipped."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):

@@ -77,7 +77,8 @@ class ComputeRecorder:
             return None
 
         def after_forward(mod, args, output):
-            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            if torch.is_grad_enabled() and isinstance(output,
+                                                      torch.Tensor) and output.requires_grad:
                 output.register_hook(output_grad_ready)
 
         def param_grad_ready(param):  # the block is done once all its parameters have gradients

@@ -1,5 +1,5 @@
-"""Plain models, with no parallel code inside: the dense LLaMA-style model here; the mixture of experts
-in ``minitp.models.moe``; synthetic data, the optimizer and the one-process reference in
+"""Plain models, with no parallel code inside: the dense LLaMA-style model here; the mixture of
+experts in ``minitp.models.moe``; synthetic data, the optimizer and the one-process reference in
 ``minitp.models.train``."""
 
 from minitp.models.llama import (  # noqa: F401  (re-exported: the dense model)

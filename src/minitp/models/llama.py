@@ -26,7 +26,8 @@ class ModelConfig:
     dim: int = 64
     n_layers: int = 4
     n_heads: int = 8
-    n_kv_heads: int | None = 4  # grouped-query attention; None: as many as n_heads (multi-head attention)
+    # grouped-query attention; None: as many as n_heads (multi-head attention)
+    n_kv_heads: int | None = 4
     ffn_hidden: int = 128
     max_seq_len: int = 32
     norm_eps: float = 1e-5
@@ -68,7 +69,8 @@ LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n
                          ffn_hidden=28672, max_seq_len=8192, rope_theta=500000.0)
 # "small": big enough that a pipeline stage's compute dwarfs the hand-over of a message (a block's
 # forward on a (1, 64) micro-batch is a few ms on one core), still seconds per step on a laptop CPU
-SMALL = ModelConfig(vocab_size=512, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704, max_seq_len=256)
+SMALL = ModelConfig(vocab_size=512, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704,
+                    max_seq_len=256)
 PRESETS = {"tiny": TINY, "small": SMALL, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 
 
@@ -79,8 +81,9 @@ def get_config(name: str) -> ModelConfig:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x divided by its root mean square over the last dim (in fp32, for stability), times ``weight``.
-    x: (..., D), weight: (D,). Tensor parallel's sequence-parallel norm calls this too."""
+    """x divided by its root mean square over the last dim (in fp32, for stability), times
+    ``weight``. x: (..., D), weight: (D,). Tensor parallel's sequence-parallel norm calls this
+    too."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
@@ -95,7 +98,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)  # (..., D)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary position angles: two (S, Dh/2) tables."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
@@ -119,11 +123,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, attend=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                attend=None) -> torch.Tensor:
         # attend: how q, k, v become the output (default: this layer's causal attention); context
         # parallel passes its ring here (``minitp.cp``), with no change to the layer
         B, S, _ = x.shape
-        # The head counts come from the weights, so a layer holding a slice of the heads works as is.
+        # The head counts come from the weights, so a layer holding a slice of the heads works as
+        # is.
         n_heads, n_kv = self.wq.out_features // self.head_dim, self.wk.out_features // self.head_dim
         q = self.wq(x).view(B, S, n_heads, self.head_dim)  # (B, S, H, Dh)
         k = self.wk(x).view(B, S, n_kv, self.head_dim)  # (B, S, Hkv, Dh)
@@ -181,7 +187,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, attend=None, recompute=None):
         # recompute: None, or how to run the block so that backward recomputes its activations,
-        # (forward, *args) -> output (FSDP's checkpointing, ``minitp.measure.activations``' recomputation)
+        # (forward, *args) -> output (FSDP's checkpointing, ``minitp.measure.activations``'
+        # recomputation)
         if recompute is not None:
             return recompute(self.compute, x, cos, sin, cache, attend)
         return self.compute(x, cos, sin, cache, attend)
@@ -205,25 +212,28 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, caches=None,
                 positions: torch.Tensor | None = None, attend=None, recompute=None) -> torch.Tensor:
-        # tokens: (B, S) -> logits (B, S, V); positions: (S,) where they are not start_pos.., attend: the
-        # attention of every block when not its own, recompute: how blocks recompute (see run_blocks)
+        # tokens: (B, S) -> logits (B, S, V); positions: (S,) where they are not start_pos..,
+        # attend: the attention of every block when not its own, recompute: how blocks recompute
+        # (see run_blocks)
         h = self.tok_embeddings(tokens)  # (B, S, D); (B, S/tp, D) under sequence parallel
-        S = tokens.shape[1] if positions is None else int(positions.max()) + 1  # the positions RoPE reaches
+        # the positions RoPE reaches
+        S = tokens.shape[1] if positions is None else int(positions.max()) + 1
         h = self.run_blocks(h, start_pos, caches, S, positions, attend, recompute)
         return self.output(self.norm(h))  # (B, S, V)
 
-    def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None, seq_len: int | None = None,
-                   positions: torch.Tensor | None = None, attend=None, recompute=None) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, start_pos: int = 0, caches=None,
+                   seq_len: int | None = None, positions: torch.Tensor | None = None, attend=None,
+                   recompute=None) -> torch.Tensor:
         """The blocks, in order, on hidden states h (B, S, D) at positions start_pos.. -> (B, S, D).
 
-        It reads only ``layers`` (block i by its name, ``layers.i``), the rope tables and ``config``,
-        so a pipeline stage holding some of the blocks under their names runs this same loop
-        (``minitp.pp.PipelineStage``). seq_len: the positions S the rope tables cover, when h holds
-        fewer (tensor parallel's sequence parallel keeps S/tp of them between attention and MLP).
-        positions: (S,) the positions h holds when they are not start_pos.. in order (context
-        parallel's chunks of a longer sequence, ``seq_len`` positions in all). attend: (q, k, v) -> out,
-        what every block's attention runs in place of its own (context parallel's ring). recompute:
-        see ``TransformerBlock.forward``."""
+        It reads only ``layers`` (block i by its name, ``layers.i``), the rope tables and
+        ``config``, so a pipeline stage holding some of the blocks under their names runs this same
+        loop (``minitp.pp.PipelineStage``). seq_len: the positions S the rope tables cover, when h
+        holds fewer (tensor parallel's sequence parallel keeps S/tp of them between attention and
+        MLP). positions: (S,) the positions h holds when they are not start_pos.. in order (context
+        parallel's chunks of a longer sequence, ``seq_len`` positions in all). attend: (q, k, v) ->
+        out, what every block's attention runs in place of its own (context parallel's ring).
+        recompute: see ``TransformerBlock.forward``."""
         S, limit = seq_len or h.shape[1], self.config.max_seq_len
         if start_pos + S > limit:
             where = f"of {S} positions" if start_pos == 0 else f"reaching position {start_pos + S}"
@@ -231,14 +241,16 @@ class Transformer(nn.Module):
         if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
-            cos, sin = self.rope_cos[start_pos:start_pos + S], self.rope_sin[start_pos:start_pos + S]
+            cos, sin = self.rope_cos[start_pos:start_pos
+                                     + S], self.rope_sin[start_pos:start_pos + S]
         for name, block in self.layers.named_children():  # "0", "1", ...; a stage's: "2", "3"
             h = block(h, cos, sin, None if caches is None else caches[int(name)], attend, recompute)
         return h
 
 
 def build_model(cfg: ModelConfig = TINY, seed: int = 0) -> Transformer:
-    """The model with weights drawn from ``seed``: every rank that calls this gets the same model."""
+    """The model with weights drawn from ``seed``: every rank that calls this gets the same
+    model."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Transformer(cfg)
@@ -275,10 +287,12 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
 def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
              next_token: Callable[[torch.Tensor], torch.Tensor] = greedy_token,
              caches: list[KVCache] | None = None) -> torch.Tensor:
-    """Greedy decoding with a KV cache: the prompt once, then one token per step. (B, P) -> (B, P+N).
+    """Greedy decoding with a KV cache: the prompt once, then one token per step. (B, P) -> (B,
+    P+N).
 
     next_token: logits (B, S, V) -> tokens (B, 1); a parallel model whose logits are sharded passes
-    its own (``minitp.tp.generate``). caches: one empty ``KVCache`` per layer to fill; fresh if None.
+    its own (``minitp.tp.generate``). caches: one empty ``KVCache`` per layer to fill; fresh if
+    None.
     """
     caches = [KVCache() for _ in range(model.config.n_layers)] if caches is None else caches
     logits = model(prompt, start_pos=0, caches=caches)

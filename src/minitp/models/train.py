@@ -18,8 +18,10 @@ class TrainConfig:
     seed: int = 0
 
 
-def synthetic_batches(cfg: ModelConfig, train: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``train.steps`` batches of (tokens, targets), each (batch_size, seq_len), from ``train.seed``.
+def synthetic_batches(cfg: ModelConfig,
+                      train: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``train.steps`` batches of (tokens, targets), each (batch_size, seq_len), from
+    ``train.seed``.
 
     The tokens follow a fixed random Markov chain in which each token has four likely successors,
     so there is something to learn and the loss falls; nothing is downloaded. Every rank that calls
@@ -35,7 +37,8 @@ def synthetic_batches(cfg: ModelConfig, train: TrainConfig) -> list[tuple[torch.
         for t in range(train.seq_len):
             pick = successors[seq[:, t], torch.randint(0, 4, (train.batch_size,), generator=g)]
             noise = torch.randint(0, V, (train.batch_size,), generator=g)
-            seq[:, t + 1] = torch.where(torch.rand(train.batch_size, generator=g) < 0.1, noise, pick)
+            seq[:, t + 1] = torch.where(torch.rand(train.batch_size, generator=g) < 0.1, noise,
+                                        pick)
         batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return batches
 
@@ -51,7 +54,8 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
     1e-4 from one process in fp32. With eps=1e-5 the same noise moves them by ~1e-7, and the
     comparison measures the strategy again rather than AdamW's sensitivity.
     """
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01, foreach=False)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01,
+                             foreach=False)
 
 
 def train_reference(cfg: ModelConfig = TINY, train: TrainConfig = TrainConfig()):

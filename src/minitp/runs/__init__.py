@@ -1,9 +1,9 @@
 """Whole training runs of a strategy, checked against its oracles, as ``minitp run`` reports them.
 
 A run trains the tiny model on N ranks with one strategy, trains the same model on one process
-with the full batch (``minitp.runs.references``), and returns a ``minitp.runs.report.Report``: the same
-fields for every strategy (losses beside the reference's, the largest parameter difference, bytes
-sent per rank traced beside the formula's, memory held beside the formula's, step times), the
+with the full batch (``minitp.runs.references``), and returns a ``minitp.runs.report.Report``: the
+same fields for every strategy (losses beside the reference's, the largest parameter difference,
+bytes sent per rank traced beside the formula's, memory held beside the formula's, step times), the
 strategy's own numbers in ``details``, and the launched run with its traces in ``results``.
 
 One module per family of strategies; each registers its runner and options in

@@ -24,8 +24,8 @@ def _ddp_worker(model_name: str, train: TrainConfig, bucket_mb: float) -> dict:
     ddp = DistributedDataParallel(model, bucket_mb=bucket_mb)
     optimizer = make_optimizer(model.parameters(), train.lr)
     losses, times = train_steps(model, ddp, synthetic_batches(cfg, train), split_batch, optimizer)
-    return worker_summary(losses, times, held_bytes(model.parameters(), optimizer), state=state_of(model),
-                          num_buckets=len(ddp.buckets))
+    return worker_summary(losses, times, held_bytes(model.parameters(), optimizer),
+                          state=state_of(model), num_buckets=len(ddp.buckets))
 
 
 def run_ddp(nproc: int = 4, steps: int = 4, bucket_mb: float = 0.25, model: str = "tiny",
@@ -35,15 +35,18 @@ def run_ddp(nproc: int = 4, steps: int = 4, bucket_mb: float = 0.25, model: str 
     train = check_run("ddp", locals(), data_parallel=nproc)
     layout.check_batch(batch_size, nproc)
     cfg = get_config(model)
-    results = launch(_ddp_worker, nproc, model, train, bucket_mb, backend=backend, timeout=timeout, echo=False)
+    results = launch(_ddp_worker, nproc, model, train, bucket_mb, backend=backend, timeout=timeout,
+                     echo=False)
     psi, n_tensors = cfg.num_params(), len(list(build_model(cfg).parameters()))
     expected_bytes = [cost.ddp_run_bytes(psi, nproc, steps, rank) for rank in range(nproc)]
     expected_memory = [cost.memory_per_rank(psi, nproc, zero=0, num_tensors=n_tensors)] * nproc
-    return build_report("ddp", {"dp": nproc, "tp": 1, "pp": 1}, list(results), results, model, train,
-                        expected_bytes, expected_memory, bucket_mb=bucket_mb, num_buckets=results[0]["num_buckets"])
+    return build_report("ddp", {"dp": nproc, "tp": 1, "pp": 1}, list(results), results, model,
+                        train, expected_bytes, expected_memory, bucket_mb=bucket_mb,
+                        num_buckets=results[0]["num_buckets"])
 
 
-register(Strategy("ddp", run_ddp, "data parallel: every rank the whole model, gradients all-reduced in buckets", (
+register(Strategy("ddp", run_ddp,
+                  "data parallel: every rank the whole model, gradients all-reduced in buckets", (
     Option("bucket_mb", float, 0.25, "DDP bucket size in MiB", above=0),
 )))
 
@@ -56,13 +59,14 @@ def _fsdp_worker(model_name: str, train: TrainConfig, options: dict) -> dict:
     optimizer = fsdp.attach(make_optimizer(fsdp.parameters(), train.lr))
     losses, times = train_steps(model, fsdp, synthetic_batches(cfg, train), split_batch, optimizer)
     memory = fsdp.held_bytes()  # before the state dict is gathered (a transient)
-    return worker_summary(losses, times, memory, gathered_peak=fsdp.gathered_peak, state=fsdp.full_state_dict())
+    return worker_summary(losses, times, memory, gathered_peak=fsdp.gathered_peak,
+                          state=fsdp.full_state_dict())
 
 
 def run_fsdp(nproc: int = 4, steps: int = 4, zero: int = 3, mixed_precision: str | None = None,
              reshard_after_forward: bool = True, prefetch: bool = True, checkpoint: bool = False,
-             model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
-             backend: str = "gloo", timeout: float = 300.0) -> Report:
+             model: str = "tiny", batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3,
+             seed: int = 0, backend: str = "gloo", timeout: float = 300.0) -> Report:
     """Train with ``minitp.fsdp`` (ZeRO stage ``zero``) on ``nproc`` ranks and report it against
     the three oracles.
 
@@ -83,21 +87,28 @@ def run_fsdp(nproc: int = 4, steps: int = 4, zero: int = 3, mixed_precision: str
     options = dict(zero=zero, mixed_precision=dtype, reshard_after_forward=reshard_after_forward,
                    prefetch=prefetch, checkpoint=checkpoint)
     numels = unit_numels(build_model(cfg), nproc)  # raises here, in the parent, for a bad plan
-    results = launch(_fsdp_worker, nproc, model, train, options, backend=backend, timeout=timeout, echo=False)
+    results = launch(_fsdp_worker, nproc, model, train, options, backend=backend, timeout=timeout,
+                     echo=False)
     precision, param_bytes = ("bf16", 2) if mixed_precision else ("fp32", 4)
-    expected_bytes = [cost.fsdp_run_bytes(numels, nproc, steps, zero, reshard_after_forward, param_bytes)] * nproc
+    expected_bytes = [cost.fsdp_run_bytes(numels, nproc, steps, zero, reshard_after_forward,
+                                          param_bytes)] * nproc
     expected_memory = [cost.fsdp_memory_per_rank(numels, nproc, zero, precision)] * nproc
-    peak = cost.fsdp_gathered_peak_bytes(numels, nproc, zero, reshard_after_forward, prefetch, param_bytes)
-    ddp_bytes = cost.total_memory(cost.memory_per_rank(cfg.num_params(), nproc, zero=0, precision=precision,
-                                                       num_tensors=len(list(build_model(cfg).parameters()))))
-    report = build_report("fsdp", {"dp": nproc, "tp": 1, "pp": 1}, list(results), results, model, train,
-                          expected_bytes, expected_memory,
-                          zero=zero, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                          prefetch=prefetch, checkpoint=checkpoint, unit_numels=numels,
+    peak = cost.fsdp_gathered_peak_bytes(numels, nproc, zero, reshard_after_forward, prefetch,
+                                         param_bytes)
+    ddp_bytes = cost.total_memory(cost.memory_per_rank(cfg.num_params(), nproc, zero=0,
+                                                       precision=precision,
+                                                       num_tensors=len(list(
+                                                           build_model(cfg).parameters()))))
+    report = build_report("fsdp", {"dp": nproc, "tp": 1, "pp": 1}, list(results), results, model,
+                          train, expected_bytes, expected_memory,
+                          zero=zero, mixed_precision=mixed_precision,
+                          reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                          checkpoint=checkpoint, unit_numels=numels,
                           padded_num_params=sum(layout.padded_numel(p, nproc) for p in numels),
                           gathered_peak=[r["gathered_peak"] for r in results],
                           gathered_peak_expected=[peak] * nproc,
-                          memory_fraction_of_ddp=[sum(r["memory"].values()) / ddp_bytes for r in results])
+                          memory_fraction_of_ddp=[sum(r["memory"].values()) / ddp_bytes
+                                                  for r in results])
     if mixed_precision:
         reference = microbatched(cfg, train, nproc, dtype)
         reordered = microbatched(cfg, train, nproc, dtype, reverse_sum=True)
@@ -111,12 +122,14 @@ def run_fsdp(nproc: int = 4, steps: int = 4, zero: int = 3, mixed_precision: str
 
 
 register(Strategy("fsdp", run_fsdp, "fully sharded data parallel: ZeRO-1/2/3 over every rank", (
-    Option("zero", int, 3, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters",
+    Option("zero", int, 3,
+           "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters",
            choices=(1, 2, 3)),
-    Option("mixed_precision", str, None, "bf16 compute and gathers, fp32 master shards and gradient sums",
+    Option("mixed_precision", str, None,
+           "bf16 compute and gathers, fp32 master shards and gradient sums",
            choices=(None, "bf16")),
-    Option("reshard_after_forward", bool, True, "ZeRO-3: keep gathered parameters from forward to backward",
-           negate=True),
+    Option("reshard_after_forward", bool, True,
+           "ZeRO-3: keep gathered parameters from forward to backward", negate=True),
     Option("prefetch", bool, True, "no early all-gather of the next unit", negate=True),
     Option("checkpoint", bool, False, "activation checkpointing of the blocks"),
 )))

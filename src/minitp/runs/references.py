@@ -39,9 +39,9 @@ def microbatched(cfg, train: TrainConfig, micro_batches: int,
     gradient is rounded to bf16, AdamW steps the fp32 master. Returns the final fp32 parameters.
 
     Used for bf16, whose recipe rounds the averaged gradient: the full-batch run has no such step.
-    (fp32 runs are held to the full-batch run itself; ``make_optimizer`` says why AdamW's eps matters
-    for that.) ``reverse_sum`` adds the micro-batches' gradients in the opposite order: how far that moves the
-    result is the run's own sensitivity to the order of a sum.
+    (fp32 runs are held to the full-batch run itself; ``make_optimizer`` says why AdamW's eps
+    matters for that.) ``reverse_sum`` adds the micro-batches' gradients in the opposite order: how
+    far that moves the result is the run's own sensitivity to the order of a sum.
     """
     master = build_model(cfg, seed=train.seed)
     work = build_model(cfg, seed=train.seed)

@@ -22,7 +22,8 @@ MAX_EXPERTS = 2**20
 
 
 class OptionError(ValueError):
-    """A value an option does not allow; says so with the runner's keyword or the command line's flag."""
+    """A value an option does not allow; says so with the runner's keyword or the command line's
+    flag."""
 
     def __init__(self, name: str, value: Any, allowed: str, flag: str | None = None):
         self.name, self.value, self.allowed, self.flag = name, value, allowed, flag
@@ -58,7 +59,8 @@ class Option:
         """What the option accepts, in words."""
         if self.choices:
             return "one of " + ", ".join(str(c) for c in self.choices)
-        kind = {int: "an integer", float: "a finite number", str: "a text", bool: "true or false"}[self.type]
+        kind = {int: "an integer", float: "a finite number", str: "a text",
+                bool: "true or false"}[self.type]
         if self.low is not None and self.high is not None:
             return f"{kind} from {_number(self.low)} to {_number(self.high)}"
         if self.above is not None and self.high is not None:
@@ -72,7 +74,8 @@ class Option:
         return kind
 
     def check(self, value: Any) -> None:
-        """Refuse a value this option does not allow: one line naming it, the value and what is allowed."""
+        """Refuse a value this option does not allow: one line naming it, the value and what is
+        allowed."""
         if value is None and (self.optional or self.type is str):
             return
         bad = OptionError(self.name, value, self.allowed(), self.flag)
@@ -123,7 +126,8 @@ COMMON = (
 
 @dataclass(frozen=True)
 class Strategy:
-    """A strategy ``minitp run NAME`` trains: its runner and the options it takes beyond ``COMMON``."""
+    """A strategy ``minitp run NAME`` trains: its runner and the options it takes beyond
+    ``COMMON``."""
 
     name: str
     runner: Callable[..., Any]  # returns a minitp.runs.report.Report

@@ -21,8 +21,10 @@ from minitp.layout import AXES
 from minitp.pp_schedules import SCHEDULES
 
 PARAM_TOLERANCE = 1e-5  # fp32: max |parameter - reference| allowed after training
-LOSS_TOLERANCE = 1e-5  # fp32: |loss - reference| a step may show (a table prints the verdict, not the noise)
-BF16_LOSS_TOLERANCE = 5e-3  # a bf16 run's loss against the fp32 reference's: bf16 keeps 8 bits of mantissa
+# fp32: |loss - reference| a step may show (a table prints the verdict, not the noise)
+LOSS_TOLERANCE = 1e-5
+# a bf16 run's loss against the fp32 reference's: bf16 keeps 8 bits of mantissa
+BF16_LOSS_TOLERANCE = 5e-3
 PRINTED = tuple(reversed(AXES))  # ("tp", "pp", "dp"): the order the 3D byte table prints
 
 
@@ -42,7 +44,8 @@ class Report:
     max_abs_param_diff: float  # largest |parameter - reference| over every rank
     comm_bytes_traced: list[float]  # per rank: bytes it sent over the run (ring model)
     comm_bytes_expected: list[float]  # the same from minitp.cost
-    memory: list[dict[str, int]]  # per rank {"params", "grads", "optimizer"} held after the last step
+    # per rank {"params", "grads", "optimizer"} held after the last step
+    memory: list[dict[str, int]]
     memory_expected: list[dict[str, float]]
     wall_s: float  # the launched run, start-up included
     step_s: list[float]  # per rank, median seconds of a training step
@@ -50,11 +53,14 @@ class Report:
     loss_tolerance: float = LOSS_TOLERANCE
     reference: str = "one process, the whole batch"
     start_step: int = 0
-    comm_bytes_traced_by_dim: list[dict[str, float]] = field(default_factory=list)  # per rank {dim: bytes}
+    # per rank {dim: bytes}
+    comm_bytes_traced_by_dim: list[dict[str, float]] = field(default_factory=list)
     comm_bytes_expected_by_dim: list[dict[str, float]] = field(default_factory=list)
-    predicted_step_s: float | None = None  # the time model on this machine's calibration (None: none stored)
+    # the time model on this machine's calibration (None: none stored)
+    predicted_step_s: float | None = None
     details: dict[str, Any] = field(default_factory=dict)  # what only this strategy reports
-    results: Any = field(default=None, repr=False, compare=False)  # minitp.launcher.Results, with traces
+    # minitp.launcher.Results, with traces
+    results: Any = field(default=None, repr=False, compare=False)
 
     # -- reading --------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
@@ -84,7 +90,8 @@ class Report:
     # -- writing --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data, the details at the top level (the JSON ``minitp run --json`` writes)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("details", "results")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("details", "results")}
         return {**asdict_plain(out), **asdict_plain(self.details)}
 
     def to_json(self, path: str | None = None) -> str:
@@ -137,10 +144,13 @@ def check(report: Report | dict, tolerance: float | None = None) -> list[str]:
     if not report.max_abs_param_diff <= tolerance:
         problems.append(f"parameters differ from the one-process reference by "
                         f"{report.max_abs_param_diff:.3g} > {tolerance:g}")
-    for rank, (traced, expected) in enumerate(zip(report.comm_bytes_traced, report.comm_bytes_expected)):
+    for rank, (traced, expected) in enumerate(zip(report.comm_bytes_traced,
+                                                  report.comm_bytes_expected)):
         if not _close(traced, expected):
-            problems.append(f"rank {rank} sent {traced:,.1f} bytes, the formula says {expected:,.1f}")
-    for rank, (traced, expected) in enumerate(zip(report.comm_bytes_traced_by_dim, report.comm_bytes_expected_by_dim)):
+            problems.append(
+                f"rank {rank} sent {traced:,.1f} bytes, the formula says {expected:,.1f}")
+    for rank, (traced, expected) in enumerate(zip(report.comm_bytes_traced_by_dim,
+                                                  report.comm_bytes_expected_by_dim)):
         for dim, value in expected.items():  # each mesh dimension on its own
             if not _close(traced.get(dim, 0.0), value):
                 problems.append(f"rank {rank} sent {traced.get(dim, 0.0):,.1f} bytes over {dim}, "
@@ -178,63 +188,79 @@ def format_report(report: Report | dict) -> str:
     lines = [
         f"minitp run {report.strategy}: {report.world_size} ranks "
         f"({' '.join(f'{k}={v}' for k, v in lay.items())}), model {report.model} "
-        f"({report.num_params:,} parameters), {report.steps} steps, global batch {report.batch_size}",
+        f"({report.num_params:,} parameters), {report.steps} steps, global batch "
+        f"{report.batch_size}",
         "",
         f"{'step':>4}  {'loss':>8}  {'reference':>9}  |loss - reference|",
     ]
     for s, (a, b) in enumerate(zip(report.loss, report.reference_loss), start=report.start_step):
         lines.append(f"{s:>4}  {a:>8.4f}  {b:>9.4f}  {verdict(abs(a - b), report.loss_tolerance)}")
-    lines += ["", f"max |parameter - reference| {verdict(report.max_abs_param_diff, report.param_tolerance)}"]
+    lines += ["", "max |parameter - reference| "
+                  f"{verdict(report.max_abs_param_diff, report.param_tolerance)}"]
     if report.reference != Report.reference:
         lines.append(f"  reference: {report.reference}")
     lines += ["", f"{'rank':>4}  {'sent (traced)':>14}  {'sent (formula)':>14}  "
                   f"{'params':>10}  {'grads':>10}  {'optimizer':>10}  {'step':>9}"]
     for r in range(report.world_size):
         m = report.memory[r]
-        lines.append(f"{r:>4}  {report.comm_bytes_traced[r]:>14,.0f}  {report.comm_bytes_expected[r]:>14,.0f}  "
-                     f"{m['params']:>10,}  {m['grads']:>10,}  {m['optimizer']:>10,}  {report.step_s[r] * 1e3:>6.1f} ms")
+        lines.append(f"{r:>4}  {report.comm_bytes_traced[r]:>14,.0f} "
+                     f" {report.comm_bytes_expected[r]:>14,.0f}  {m['params']:>10,} "
+                     f" {m['grads']:>10,}  {m['optimizer']:>10,}  {report.step_s[r] * 1e3:>6.1f} "
+                     "ms")
     if "gathered_peak" in report:
         lines += ["", "peak gathered parameters per rank (bytes): "
                   + ", ".join(f"{p:,}" for p in report["gathered_peak"])
                   + f"  (formula {report['gathered_peak_expected'][0]:,})"]
     if report.comm_bytes_expected_by_dim:  # the bytes split by mesh dimension
-        extra = sorted({d for e in report.comm_bytes_expected_by_dim for d in e} - set(PRINTED))  # e.g. "ep"
+        # e.g. "ep"
+        extra = sorted({d for e in report.comm_bytes_expected_by_dim for d in e} - set(PRINTED))
         dims = [*PRINTED, *extra]
         lines += ["", f"{'rank':>4}  {'(dp,pp,tp)':>10}  "
                       + "  ".join(f"{dim + ' traced':>12}  {dim + ' formula':>12}" for dim in dims)]
-        for r, (t, e) in enumerate(zip(report.comm_bytes_traced_by_dim, report.comm_bytes_expected_by_dim)):
+        for r, (t, e) in enumerate(zip(report.comm_bytes_traced_by_dim,
+                                       report.comm_bytes_expected_by_dim)):
             coords = "(" + ",".join(str(c) for c in report["coords"][r]) + ")"
             lines.append(f"{r:>4}  {coords:>10}  "
-                         + "  ".join(f"{t.get(dim, 0.0):>12,.0f}  {e.get(dim, 0.0):>12,.0f}" for dim in dims))
+                         + "  ".join(f"{t.get(dim, 0.0):>12,.0f}  {e.get(dim, 0.0):>12,.0f}"
+                                     for dim in dims))
     if "bubble_fraction_measured" in report:
         lines += ["", f"schedule {report['schedule']}, {report['microbatches']} micro-batches; "
-                      f"bubble (idle share of the step) measured {report['bubble_fraction_measured']:.3f}, "
-                      f"expected {SCHEDULES.get(report.get('schedule'), SCHEDULES['1f1b']).bubble_words} = "
+                      "bubble (idle share of the step) measured "
+                      f"{report['bubble_fraction_measured']:.3f}, expected "
+                      f"{SCHEDULES.get(report.get('schedule'), SCHEDULES['1f1b']).bubble_words} = "
                       f"{report['bubble_fraction_expected']:.3f}; per rank "
                   + ", ".join(f"{b:.3f}" for b in report["bubble_fraction_measured_per_rank"])]
         if "bubble_fraction_compute_only" in report:  # where the excess over the formula comes from
-            expected, stages = report["bubble_fraction_expected"], report["bubble_fraction_stage_times"]
-            compute, measured_bubble = report["bubble_fraction_compute_only"], report["bubble_fraction_measured"]
-            lines.append(f"  of it: formula {expected:.3f}, unequal stages {stages - expected:+.3f}, uneven actions "
-                         f"{compute - stages:+.3f}, hand-over of messages {measured_bubble - compute:+.3f}")
+            expected, stages = (report["bubble_fraction_expected"],
+                                report["bubble_fraction_stage_times"])
+            compute, measured_bubble = (report["bubble_fraction_compute_only"],
+                                        report["bubble_fraction_measured"])
+            lines.append(f"  of it: formula {expected:.3f}, unequal stages "
+                         f"{stages - expected:+.3f}, uneven actions {compute - stages:+.3f}, "
+                         f"hand-over of messages {measured_bubble - compute:+.3f}")
             if "bubble_fraction_with_handover" in report:
                 handover = report["bubble_fraction_with_handover"]
-                lines.append(f"  the hand-over measured (means): {report['handover_message_s'] * 1e3:.2f} ms a "
-                             f"message, {report['handover_gap_s'] * 1e3:.2f} ms between a rank's actions; replayed "
-                             f"with them it is {handover - compute:+.3f}, leaving {measured_bubble - handover:+.3f}")
+                lines.append("  the hand-over measured (means): "
+                             f"{report['handover_message_s'] * 1e3:.2f} ms a message, "
+                             f"{report['handover_gap_s'] * 1e3:.2f} ms between a rank's actions; "
+                             f"replayed with them it is {handover - compute:+.3f}, leaving "
+                             f"{measured_bubble - handover:+.3f}")
         lines += ["peak micro-batches in flight per rank: "
-                  + ", ".join(str(p) for p in report["peak_microbatches_in_flight"])
-                  + "  (formula " + ", ".join(str(p) for p in report["peak_microbatches_in_flight_expected"]) + ")"]
+                  + ", ".join(str(p) for p in report["peak_microbatches_in_flight"]) + "  (formula "
+                  + ", ".join(str(p) for p in report["peak_microbatches_in_flight_expected"]) + ")"]
     measured = sorted(report.step_s)[len(report.step_s) // 2] if report.step_s else 0.0
     if report.predicted_step_s is not None:
         lines += ["", f"step time: measured {measured * 1e3:.1f} ms (median rank), predicted "
-                      f"{report.predicted_step_s * 1e3:.1f} ms (minitp.cost.step_time, this machine's calibration)"]
+                      f"{report.predicted_step_s * 1e3:.1f} ms (minitp.cost.step_time, this "
+                      "machine's calibration)"]
         if "load_average" in report:
-            lines.append(f"  load average {report['load_average']:.1f} while it ran; the prediction assumes "
-                         "nothing else shares the cores")
+            lines.append(
+                f"  load average {report['load_average']:.1f} while it ran; the prediction assumes "
+                "nothing else shares the cores")
     else:
         lines += ["", f"step time: measured {measured * 1e3:.1f} ms (median rank); no prediction: "
-                      + report.get("predicted_step_note", "this machine is not calibrated (minitp calibrate)")]
+                  + report.get("predicted_step_note",
+                                   "this machine is not calibrated (minitp calibrate)")]
     lines += ["", "bytes: payload each rank sent (ring model) and bytes held after the last step",
               f"wall time {report.wall_s:.2f} s (start-up included)"]
     problems = check(report)

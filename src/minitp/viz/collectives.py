@@ -13,7 +13,15 @@ from collections import defaultdict
 import torch
 
 from minitp.viz.format import byte_scale, format_bytes
-from minitp.viz.style import LEGEND_PT, OP_COLORS, TEXT_PT, figure, rank_color, rank_text_color, text_on
+from minitp.viz.style import (
+    LEGEND_PT,
+    OP_COLORS,
+    TEXT_PT,
+    figure,
+    rank_color,
+    rank_text_color,
+    text_on,
+)
 
 SUM_COLOR = "#DDDDDD"  # a value that is a sum over ranks belongs to no single rank
 
@@ -30,7 +38,8 @@ def _draw_row(ax, y: float, texts: list[str], faces: list, edges: list[str] | No
     for i, (text, face) in enumerate(zip(texts, faces)):
         edge = edges[i] if edges else "white"
         lw = widths[i] if widths else 1.0
-        ax.add_patch(Rectangle((i, y - 0.4), 0.96, 0.8, facecolor=face, edgecolor=edge, linewidth=lw))
+        ax.add_patch(Rectangle((i, y - 0.4), 0.96, 0.8, facecolor=face, edgecolor=edge,
+                               linewidth=lw))
         ax.text(i + 0.48, y, text, ha="center", va="center", fontsize=fontsize, color=text_on(face))
 
 
@@ -67,7 +76,8 @@ def before_after(before: list[torch.Tensor], after: list[torch.Tensor], title: s
             origin[v].add(rank)
 
     fig = figure(8.0, 0.45 * n + 0.9)
-    axes = fig.subplots(1, 2, width_ratios=[max(t.numel() for t in before), max(t.numel() for t in after)])
+    axes = fig.subplots(1, 2, width_ratios=[max(t.numel() for t in before),
+                                            max(t.numel() for t in after)])
     for ax, tensors, name in ((axes[0], before, "before"), (axes[1], after, "after")):
         _rank_axes(ax, n, max(t.numel() for t in tensors), name)
         for rank, t in enumerate(tensors):
@@ -135,7 +145,8 @@ def ring_steps(records: list[list[dict]], steps: list[int] | None = None, contri
                 if contributors:
                     who = _contributors(value, n)
                     texts.append("+".join(map(str, who)) if len(who) < n else "all")
-                    faces.append(full if len(who) == n else _lighten(full, 0.85 - 0.6 * len(who) / n))
+                    faces.append(full if len(who) == n else _lighten(full,
+                                                                     0.85 - 0.6 * len(who) / n))
                 else:
                     texts.append(_fmt(value))
                     faces.append(_lighten(rank_color(rank), 0.7))
@@ -155,7 +166,8 @@ def message_graph(events, title: str = "", unit: str = "B"):
     from matplotlib.patches import Circle, FancyArrowPatch
 
     sends = [e for e in events if e.kind == "comm" and e.op == "send"]
-    ranks = sorted({r for e in events for r in (e.rank, *e.group)} | {e.peer for e in sends if e.peer is not None})
+    ranks = sorted({r for e in events for r in (e.rank, *e.group)} | {e.peer for e in sends
+                                                                      if e.peer is not None})
     n = len(ranks)
     links: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
     for e in sends:
@@ -166,16 +178,17 @@ def message_graph(events, title: str = "", unit: str = "B"):
     ax = fig.subplots()
     ax.set_aspect("equal")
     ax.axis("off")
-    pos = {r: (math.sin(2 * math.pi * i / n), math.cos(2 * math.pi * i / n)) for i, r in enumerate(ranks)}
+    pos = {r: (math.sin(2 * math.pi * i / n), math.cos(2 * math.pi * i / n))
+           for i, r in enumerate(ranks)}
     most = max((b for _, b in links.values()), default=1)
     for (src, dst), (count, nbytes) in sorted(links.items()):
         (x0, y0), (x1, y1) = pos[src], pos[dst]
-        arrow = FancyArrowPatch((x0, y0), (x1, y1), connectionstyle="arc3,rad=-0.25", arrowstyle="-|>",
-                                mutation_scale=14, shrinkA=16, shrinkB=16, color=rank_color(src),
-                                linewidth=1 + 2.5 * nbytes / most)
+        arrow = FancyArrowPatch((x0, y0), (x1, y1), connectionstyle="arc3,rad=-0.25",
+                                arrowstyle="-|>", mutation_scale=14, shrinkA=16, shrinkB=16,
+                                color=rank_color(src), linewidth=1 + 2.5 * nbytes / most)
         ax.add_patch(arrow)
-        # label just beyond the bulge of the arc (arc3 with rad=-0.25 bends towards (-dy, dx)), anchored on
-        # the side facing the arc so the text runs away from it, off the arrows
+        # label just beyond the bulge of the arc (arc3 with rad=-0.25 bends towards (-dy, dx)),
+        # anchored on the side facing the arc so the text runs away from it, off the arrows
         mx, my = (x0 + x1) / 2, (y0 + y1) / 2
         length = math.hypot(x1 - x0, y1 - y0) or 1.0
         ux, uy = -(y1 - y0) / length, (x1 - x0) / length
@@ -183,12 +196,13 @@ def message_graph(events, title: str = "", unit: str = "B"):
         ha = "left" if ux > 0.3 else "right" if ux < -0.3 else "center"
         va = "bottom" if uy > 0.3 else "top" if uy < -0.3 else "center"
         amount = format_bytes(nbytes) if unit == "B" else f"{nbytes:g} {unit}"
-        ax.text(mx + reach * ux, my + reach * uy, f"{count} msgs, {amount}", ha=ha, va=va, fontsize=TEXT_PT,
-                color=rank_text_color(src))  # the sender's colour, darkened where too pale to read on white
+        ax.text(mx + reach * ux, my + reach * uy, f"{count} msgs, {amount}", ha=ha, va=va,
+                # the sender's colour, darkened where too pale to read on white
+                fontsize=TEXT_PT, color=rank_text_color(src))
     for r, (x, y) in pos.items():
         ax.add_patch(Circle((x, y), 0.17, facecolor=rank_color(r), edgecolor="white", zorder=3))
-        ax.text(x, y, str(r), ha="center", va="center", color=text_on(rank_color(r)), fontsize=10, weight="bold",
-                zorder=4)
+        ax.text(x, y, str(r), ha="center", va="center", color=text_on(rank_color(r)), fontsize=10,
+                weight="bold", zorder=4)
     ax.set_xlim(-1.6, 1.6)
     ax.set_ylim(-1.6, 1.6)
     if title:
@@ -199,19 +213,22 @@ def message_graph(events, title: str = "", unit: str = "B"):
 def bytes_per_rank(sent: list[float], expected: float | list[float], title: str = "",
                    formula: str = "formula"):
     """Bars: the bytes each rank sent (traced); dashed line or dots: what the formula says.
-    The axis counts in bytes, KB, MB or GB (``minitp.viz.format``), whichever suits the largest value."""
+    The axis counts in bytes, KB, MB or GB (``minitp.viz.format``), whichever suits the largest
+    value."""
     n = len(sent)
     values = [*sent, *([expected] if isinstance(expected, (int, float)) else expected)]
     top = max(values, default=0)
     unit, scale = byte_scale(top)
     fig = figure(4.0, 2.6)
     ax = fig.subplots()
-    ax.bar(range(n), [s / scale for s in sent], color=[rank_color(r) for r in range(n)], label="traced")
+    ax.bar(range(n), [s / scale for s in sent], color=[rank_color(r) for r in range(n)],
+           label="traced")
     if isinstance(expected, (int, float)):
         ax.axhline(expected / scale, color="black", linestyle="--", linewidth=1, label=formula)
     else:
         ax.plot(range(n), [e / scale for e in expected], "k_", markersize=20, label=formula)
-    if n > 4:  # "rank 5" under each of 8 bars would run into its neighbours: numbers, and the axis says rank
+    # "rank 5" under each of 8 bars would run into its neighbours: numbers, and the axis says rank
+    if n > 4:
         ax.set_xticks(range(n), [str(r) for r in range(n)])
         ax.set_xlabel("rank")
     else:

@@ -15,7 +15,8 @@ def format_bytes(n: float) -> str:
 
 
 def byte_scale(largest: float) -> tuple[str, float]:
-    """The unit an axis whose largest value is ``largest`` bytes counts in, and its size in bytes."""
+    """The unit an axis whose largest value is ``largest`` bytes counts in, and its size in
+    bytes."""
     for unit, scale in DECIMAL_UNITS:
         if largest >= scale:
             return unit, scale

@@ -26,7 +26,7 @@ def _short(name: str) -> str:
     return parts[-2] if len(parts) > 1 else parts[0]
 
 
-# -- who holds what ----------------------------------------------------------------------------------
+# -- who holds what --------------------------------------------------------------------------------
 def shard_map(layouts: list[list[dict]], *, title: str = "", width: float = 8.0):
     """One row per unit: its flat buffer (elements along x), the parameters laid in it (grey strip
     on top), the slice each rank holds (coloured by rank) and the padding (hatched, in orange).
@@ -53,22 +53,24 @@ def shard_map(layouts: list[list[dict]], *, title: str = "", width: float = 8.0)
                     linewidth=0.3, gid=f"param:{name}:{param}")  # tall enough for a line of text
             label = _short(param)
             if text_fits(size / longest * (width - 2.0) * 72, label):
-                ax.text(offset + size / 2, y + 0.35, label, ha="center", va="center", fontsize=TEXT_PT)
+                ax.text(offset + size / 2, y + 0.35, label, ha="center", va="center",
+                        fontsize=TEXT_PT)
         for rank in range(n):
             start, end = next(u["shard"] for u in layouts[rank] if u["unit"] == name)
             ax.barh(y - 0.08, end - start, 0.5, left=start, color=rank_color(rank), alpha=0.85,
                     edgecolor="white", linewidth=0.8, gid=f"shard:{name}:{rank}")
             if text_fits((end - start) / longest * (width - 2.0) * 72, f"rank {rank}"):
-                ax.text((start + end) / 2, y - 0.08, f"rank {rank}", ha="center", va="center", fontsize=TEXT_PT,
-                        color=text_on(rank_color(rank)))
+                ax.text((start + end) / 2, y - 0.08, f"rank {rank}", ha="center", va="center",
+                        fontsize=TEXT_PT, color=text_on(rank_color(rank)))
         pad = unit["padded"] - numel
         if pad:
             shown = max(pad, 0.006 * longest)
-            ax.barh(y - 0.08, shown, 0.5, left=numel, color="none", edgecolor=PAD_COLOR, hatch="////",
-                    linewidth=0.8, gid=f"pad:{name}")
-            ax.text(numel + shown, y - 0.08, f" +{pad} padding", ha="left", va="center", fontsize=TEXT_PT,
-                    color=PAD_COLOR)
-    ax.set_yticks(range(len(units)), [f"{u['unit']}\n{u['padded']:,}" for u in reversed(units)], fontsize=TEXT_PT)
+            ax.barh(y - 0.08, shown, 0.5, left=numel, color="none", edgecolor=PAD_COLOR,
+                    hatch="////", linewidth=0.8, gid=f"pad:{name}")
+            ax.text(numel + shown, y - 0.08, f" +{pad} padding", ha="left", va="center",
+                    fontsize=TEXT_PT, color=PAD_COLOR)
+    ax.set_yticks(range(len(units)), [f"{u['unit']}\n{u['padded']:,}" for u in reversed(units)],
+                  fontsize=TEXT_PT)
     ax.set_xlim(0, longest * 1.12)
     ax.set_ylim(-0.55, len(units) - 0.4)
     ax.set_xlabel("position in the unit's flat buffer (elements)")
@@ -77,7 +79,7 @@ def shard_map(layouts: list[list[dict]], *, title: str = "", width: float = 8.0)
     return fig
 
 
-# -- the gather -> compute -> free cycle -------------------------------------------------------------
+# -- the gather -> compute -> free cycle -----------------------------------------------------------
 def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", width: float = 8.0,
                reshard_after_forward: bool = True):
     """For one rank, one row per unit: when its full parameters were gathered (green), used (grey:
@@ -95,9 +97,11 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
     """
     events = [e for e in collect_events(run) if e.rank == rank and e.labelled(label_prefix)
               and e.unit and e.kind in ("comm", "compute")]
-    events = [e for e in events if e.phase not in ("step", "state_dict")]  # the step itself: forward and backward
+    # the step itself: forward and backward
+    events = [e for e in events if e.phase not in ("step", "state_dict")]
     if not events:
-        raise ValueError(f"no fsdp events of rank {rank} under {label_prefix!r}; was the run traced?")
+        raise ValueError(
+            f"no fsdp events of rank {rank} under {label_prefix!r}; was the run traced?")
     t0 = min(e.start for e in events)
     units: list[str] = []
     for e in sorted(events, key=lambda e: e.start):
@@ -122,7 +126,8 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
                 freed = min(later) if later else max(e.end for e in mine)
             ax.barh(y, ms(freed) - ms(g.start), 0.8, left=ms(g.start), color=HELD_COLOR,
                     gid=f"held:{unit}:{phase}")
-            ax.plot([ms(freed)], [y + 0.3], marker="v", color="#444444", markersize=4, gid=f"free:{unit}:{phase}")
+            ax.plot([ms(freed)], [y + 0.3], marker="v", color="#444444", markersize=4,
+                    gid=f"free:{unit}:{phase}")
         for e in mine:
             if e.kind == "compute":
                 color, h, gid = OP_COLORS["compute"], 0.35, f"compute:{unit}:{e.op}"
@@ -141,13 +146,15 @@ def unit_cycle(run, *, rank: int = 0, label_prefix: str = "", title: str = "", w
                Patch(color=OP_COLORS["compute"], label="compute"),
                Patch(color=OP_COLORS["reduce_scatter"], label="reduce-scatter"),
                Patch(color=HELD_COLOR, label="full parameters held"),
-               Line2D([], [], marker="v", color="#444444", linestyle="none", markersize=4, label="freed")]
-    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+               Line2D([], [], marker="v", color="#444444", linestyle="none", markersize=4,
+                      label="freed")]
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     ax.set_title(title or f"rank {rank}: gather, compute, free, unit by unit", fontsize=10)
     return fig
 
 
-# -- bytes per stage --------------------------------------------------------------------------------
+# -- bytes per stage -------------------------------------------------------------------------------
 def sent_by_op(run, label_prefix: str, rank: int = 0) -> dict[str, float]:
     """Bytes ``rank`` sent (ring model) per collective, over the events whose label starts with
     ``label_prefix`` (e.g. a ``trace.scope`` name)."""
@@ -168,7 +175,8 @@ def bytes_by_stage(sent: dict[str, dict[str, float]], expected: dict[str, float]
     baseline = baseline or names[0]
     base = sum(sent[baseline].values())
     largest = max([sum(v.values()) for v in sent.values()] + list((expected or {}).values()))
-    unit, scale = next(((u, s) for u, s in (("MB", 1e6), ("KB", 1e3)) if largest >= s), ("bytes", 1.0))
+    unit, scale = next(((u, s) for u, s in (("MB", 1e6), ("KB", 1e3)) if largest >= s),
+                       ("bytes", 1.0))
     fig = figure(width, 0.42 * len(names) + 1.0)
     ax = fig.add_subplot()
     seen: dict[str, str] = {}
@@ -182,10 +190,11 @@ def bytes_by_stage(sent: dict[str, dict[str, float]], expected: dict[str, float]
                     gid=f"sent:{name}:{op}")
             left += value / scale
         if expected and name in expected:
-            ax.plot([expected[name] / scale] * 2, [y - 0.38, y + 0.38], color="black", linewidth=1.5,
-                    gid=f"formula:{name}")
+            ax.plot([expected[name] / scale] * 2, [y - 0.38, y + 0.38], color="black",
+                    linewidth=1.5, gid=f"formula:{name}")
         ratio = left * scale / base if base else float("nan")
-        ax.text(left, y, f"  {format_bytes(left * scale)}  ({ratio:.2f}x {baseline})", va="center", fontsize=TEXT_PT)
+        ax.text(left, y, f"  {format_bytes(left * scale)}  ({ratio:.2f}x {baseline})", va="center",
+                fontsize=TEXT_PT)
     ax.set_yticks(range(len(names)), list(reversed(names)))
     ax.set_xlim(0, largest / scale * 1.5)
     ax.set_xlabel(f"bytes one rank sent ({unit})")
@@ -196,7 +205,8 @@ def bytes_by_stage(sent: dict[str, dict[str, float]], expected: dict[str, float]
     handles = [Patch(color=c, label=op.replace("_", "-")) for op, c in seen.items()]
     if expected:
         handles.append(Line2D([], [], color="black", linewidth=1.5, label="formula"))
-    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig

@@ -1,14 +1,15 @@
-"""Figures for 3D parallelism (chapter 06): the ranks on their mesh, which slice of a block each rank
-held, and every message of a step sorted by the dimension it served.
+"""Figures for 3D parallelism (chapter 06): the ranks on their mesh, which slice of a block each
+rank held, and every message of a step sorted by the dimension it served.
 
 * ``mesh_cube``: the ranks drawn as the corners of a (dp, pp, tp) box, once per dimension, each
   group of that dimension in its own colour. Drawn from the coordinates and group members the ranks
   reported, never from the formula.
-* ``block_shards``: weights of the model drawn as the (in, out) matrix of y = x·W, each slice coloured
-  by its tp coordinate and labelled with every global rank that held it (dp replicas hold the same).
-  Where a slice sits is found from its values (``minitp.viz.tp.locate``).
-* ``messages_by_dim``: one lane per rank, with a row per dimension (tp, pp, dp) and each message a bar
-  in its dimension's colour, the bytes each rank sent in each dimension written at the end of the lane.
+* ``block_shards``: weights of the model drawn as the (in, out) matrix of y = x·W, each slice
+  coloured by its tp coordinate and labelled with every global rank that held it (dp replicas hold
+  the same). Where a slice sits is found from its values (``minitp.viz.tp.locate``).
+* ``messages_by_dim``: one lane per rank, with a row per dimension (tp, pp, dp) and each message a
+  bar in its dimension's colour, the bytes each rank sent in each dimension written at the end of
+  the lane.
 * ``bytes_by_dim``: per rank, the bytes sent in each dimension stacked, beside what a formula (the
   planner's, ``minitp.cost``) says.
 
@@ -25,11 +26,20 @@ from __future__ import annotations
 from minitp import layout
 from minitp.trace import Event
 from minitp.viz.format import byte_scale, format_bytes
-from minitp.viz.style import LEGEND_PT, RANK_COLORS, TEXT_PT, figure, label_totals, rank_color, text_on
+from minitp.viz.style import (
+    LEGEND_PT,
+    RANK_COLORS,
+    TEXT_PT,
+    figure,
+    label_totals,
+    rank_color,
+    text_on,
+)
 from minitp.viz.timeline import collect_events
 from minitp.viz.tp import locate, whole
 
-AXES = tuple(reversed(layout.AXES))  # ("tp", "pp", "dp"): fastest first, the order they are drawn in
+# ("tp", "pp", "dp"): fastest first, the order they are drawn in
+AXES = tuple(reversed(layout.AXES))
 # a colour per dimension; "fsdp" is what a group handed to FSDP alone (no mesh) is named
 DIM_COLORS = {"tp": "#0072B2", "pp": "#E69F00", "dp": "#009E73", "fsdp": "#CC79A7"}
 
@@ -45,7 +55,7 @@ def _dim_color(dim: str) -> str:
     return DIM_COLORS.get(dim, "#999999")
 
 
-# -- the mesh as a box ------------------------------------------------------------------------------------
+# -- the mesh as a box -----------------------------------------------------------------------------
 def _position(coords, sizes) -> tuple[float, float]:
     """Oblique projection: tp to the right, pp upwards, dp into the page (up and to the right)."""
     d, p, t = coords
@@ -73,8 +83,10 @@ def mesh_cube(per_rank: list[dict], *, title: str = "", width: float = 9.0):
                 groups.append(members)
         for members in groups:
             for m in members:
-                if m in coords and list(next(q for q in per_rank if q["rank"] == m)["groups"][dim]) != members:
-                    raise ValueError(f"rank {m} is listed in {dim} group {members} but reports another one")
+                if m in coords and list(next(q for q in per_rank
+                                             if q["rank"] == m)["groups"][dim]) != members:
+                    raise ValueError(
+                        f"rank {m} is listed in {dim} group {members} but reports another one")
         # the box's edges: ranks one step apart along one coordinate
         for a, ca in coords.items():
             for b, cb in coords.items():
@@ -90,8 +102,8 @@ def mesh_cube(per_rank: list[dict], *, title: str = "", width: float = 9.0):
                 x, y = _position(coords[m], sizes)
                 ax.scatter([x], [y], s=260, color=color, edgecolor="black", linewidth=0.6, zorder=3,
                            gid=f"rank:{dim}:{m}")
-                ax.text(x, y, str(m), ha="center", va="center", fontsize=TEXT_PT, color=text_on(color), weight="bold",
-                        zorder=4)
+                ax.text(x, y, str(m), ha="center", va="center", fontsize=TEXT_PT,
+                        color=text_on(color), weight="bold", zorder=4)
         listed = "  ".join("{" + ",".join(map(str, g)) + "}" for g in groups)
         ax.set_title(f"{dim} groups ({names[dim]})\n{listed}", fontsize=8.5)
         ax.set_aspect("equal")
@@ -100,15 +112,16 @@ def mesh_cube(per_rank: list[dict], *, title: str = "", width: float = 9.0):
         ax.set_yticks([])
         for side in ax.spines.values():
             side.set_visible(False)
-    fig.supxlabel("tp → right     pp ↑ up     dp ↗ into the page", fontsize=TEXT_PT, color="#555555")
+    fig.supxlabel("tp → right     pp ↑ up     dp ↗ into the page", fontsize=TEXT_PT,
+                  color="#555555")
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
 
 
-# -- which rank holds which slice ----------------------------------------------------------------------
-def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | None = None, title: str = "",
-                 width: float = 9.0):
+# -- which rank holds which slice ------------------------------------------------------------------
+def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | None = None,
+                 title: str = "", width: float = 9.0):
     """Weights drawn as the (in, out) matrix W = weight.T, each rank's slice where its values sit.
 
     per_rank: one dict per rank with "rank", "coords" ([dp, pp, tp]) and "shards"
@@ -121,12 +134,14 @@ def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | 
     fig = figure(width, 2.9)
     axes = fig.subplots(1, len(names), squeeze=False)[0]
     for ax, name, label in zip(axes, names, labels):
-        holders = sorted((r for r in per_rank if name in r["shards"]), key=lambda r: (r["coords"][2], r["rank"]))
+        holders = sorted((r for r in per_rank if name in r["shards"]),
+                         key=lambda r: (r["coords"][2], r["rank"]))
         if not holders:
             raise ValueError(f"no rank holds {name!r}")
         dim = holders[0]["shards"][name][1]
         first = min(r["coords"][0] for r in holders)
-        pieces = [r["shards"][name][0] for r in holders if r["coords"][0] == first]  # one replica, tp order
+        # one replica, tp order
+        pieces = [r["shards"][name][0] for r in holders if r["coords"][0] == first]
         W = whole(pieces, dim).detach().T  # (in, out), as in y = x·W
         rows, cols = W.shape
         placements = locate(W, [r["shards"][name][0].detach().T for r in holders])
@@ -138,14 +153,18 @@ def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | 
 
         for (kind, d, start, stop, tp_rank), ranks in slots.items():
             if kind == "slice":
-                x, y, w, h = (start, 0, stop - start, rows) if d == 1 else (0, start, cols, stop - start)
+                x, y, w, h = ((start, 0, stop - start, rows) if d == 1
+                              else (0, start, cols, stop - start))
             else:
                 x, y, w, h = 0, 0, cols, rows
             bad = kind not in ("slice", "replicated")
             for rank in ranks:
-                ax.add_patch(Rectangle((x, y), w, h, facecolor="none" if bad else rank_color(tp_rank),
-                                       alpha=1.0 if bad else 0.75, edgecolor="#D55E00" if bad else "white",
-                                       linestyle="--" if bad else "-", linewidth=1.5 if bad else 1.0,
+                ax.add_patch(Rectangle((x, y), w, h, facecolor="none" if bad
+                                       else rank_color(tp_rank),
+                                       alpha=1.0 if bad else 0.75, edgecolor="#D55E00" if bad
+                                       else "white",
+                                       linestyle="--" if bad else "-", linewidth=1.5 if bad
+                                       else 1.0,
                                        gid=f"slice:{label}:{rank}" + (":unknown" if bad else "")))
             text = ("?" if bad else "") + "ranks\n" + ", ".join(map(str, ranks))
             if kind == "replicated":
@@ -166,8 +185,9 @@ def block_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | 
     return fig
 
 
-# -- the messages of a step, by dimension ----------------------------------------------------------------
-def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lane_height: float = 0.55):
+# -- the messages of a step, by dimension ----------------------------------------------------------
+def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0,
+                    lane_height: float = 0.55):
     """One lane per rank, a row per dimension, each message a bar coloured by its dimension; at the
     end of each lane the bytes (ring model) the rank sent in each dimension.
 
@@ -178,7 +198,8 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
     if ranks is not None:
         events = [e for e in events if e.rank in set(ranks)]
     if not events:
-        raise ValueError("no message through a named group (a mesh's or a strategy's) to draw; was the run traced?")
+        raise ValueError("no message through a named group (a mesh's or a strategy's) to draw; was "
+                         "the run traced?")
     dims = dims_present(e.dim for e in events)
     pitch = 0.81 / max(len(dims), 3)  # rows inside a lane: 0.27 apart for tp, pp, dp
     lanes = sorted({e.rank for e in events})
@@ -196,12 +217,12 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
                 k = counts.get((rank, dim), 0)
                 counts[(rank, dim)] = k + 1
                 ax.broken_barh([((e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 3e-3))],
-                               (y - 0.4 * pitch, 0.8 * pitch), facecolors=_dim_color(dim), edgecolor="black",
-                               linewidth=0.2, gid=f"msg:{rank}:{dim}:{k}")
+                               (y - 0.4 * pitch, 0.8 * pitch), facecolors=_dim_color(dim),
+                               edgecolor="black", linewidth=0.2, gid=f"msg:{rank}:{dim}:{k}")
         for row, dim in enumerate(dims):  # the bytes sent in each dimension, at the end of its row
             sent = sum(e.sent_bytes for e in mine if e.dim == dim)
-            ax.text(span_ms * 1.02, base + 0.28 - row * pitch, f"{dim} {format_bytes(sent)}", ha="left",
-                    va="center", fontsize=TEXT_PT, gid=f"sent:{rank}:{dim}")
+            ax.text(span_ms * 1.02, base + 0.28 - row * pitch, f"{dim} {format_bytes(sent)}",
+                    ha="left", va="center", fontsize=TEXT_PT, gid=f"sent:{rank}:{dim}")
     ax.set_yticks(range(len(lanes)), [f"rank {r}" for r in reversed(lanes)])
     ax.set_ylim(-0.55, len(lanes) - 0.45)
     ax.set_xlim(0, span_ms * 1.22)
@@ -209,15 +230,15 @@ def messages_by_dim(run, *, ranks=None, title: str = "", width: float = 9.0, lan
     ax.spines[["top", "right"]].set_visible(False)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=_dim_color(d), label=d) for d in dims], fontsize=LEGEND_PT, ncol=len(dims),
-              loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False)
+    ax.legend(handles=[Patch(color=_dim_color(d), label=d) for d in dims], fontsize=LEGEND_PT,
+              ncol=len(dims), loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False)
     if title:
         ax.set_title(title, fontsize=10, loc="right")
     return fig
 
 
-def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, names: list[str] | None = None,
-                 title: str = "", width: float = 7.0):
+def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *,
+                 names: list[str] | None = None, title: str = "", width: float = 7.0):
     """Per rank, the bytes sent in each dimension stacked; ``expected`` (same form, e.g. from
     ``minitp.cost.threed_step_bytes``) hatched beside each bar.
 
@@ -232,7 +253,8 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     unit, scale = byte_scale(max(totals))
     fig = figure(width, 3.0)
     ax = fig.add_subplot()
-    pairs = [("traced", traced, 0.0)] if expected is None else [("traced", traced, -0.2), ("expected", expected, 0.2)]
+    pairs = [("traced", traced, 0.0)] if expected is None else [("traced", traced, -0.2),
+                                                                ("expected", expected, 0.2)]
     bar_w = 0.7 if expected is None else 0.38
     tops: dict[str, list[float]] = {"traced": [], "expected": []}
     for which, entries, shift in pairs:
@@ -240,8 +262,9 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
             bottom = 0.0
             for d in dims:
                 value = b.get(d, 0) / scale
-                ax.bar(i + shift, value, bar_w, bottom=bottom, color=_dim_color(d), gid=f"{which}:{i}:{d}",
-                       alpha=1.0 if which == "traced" else 0.45, hatch=None if which == "traced" else "//",
+                ax.bar(i + shift, value, bar_w, bottom=bottom, color=_dim_color(d),
+                       gid=f"{which}:{i}:{d}", alpha=1.0 if which == "traced" else 0.45, hatch=None
+                       if which == "traced" else "//",
                        edgecolor="white" if which == "traced" else _dim_color(d), linewidth=0.5)
                 bottom += value
             tops[which].append(bottom)
@@ -256,11 +279,14 @@ def bytes_by_dim(traced: list[dict], expected: list[dict] | None = None, *, name
     if expected is not None:
         first = _dim_color(dims[0])  # swatches in a colour the bars have, solid and hatched
         handles += [Patch(facecolor=first, edgecolor="white", label="traced (solid)"),
-                    Patch(facecolor=first, alpha=0.45, edgecolor=first, hatch="//", label="formula (hatched)")]
-    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+                    Patch(facecolor=first, alpha=0.45, edgecolor=first, hatch="//",
+                          label="formula (hatched)")]
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig
 
 
-__all__ = ["AXES", "DIM_COLORS", "dims_present", "mesh_cube", "block_shards", "messages_by_dim", "bytes_by_dim"]
+__all__ = ["AXES", "DIM_COLORS", "dims_present", "mesh_cube", "block_shards", "messages_by_dim",
+           "bytes_by_dim"]

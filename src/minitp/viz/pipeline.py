@@ -19,7 +19,8 @@ from __future__ import annotations
 from minitp.viz import style
 from minitp.viz.style import LEGEND_PT, TEXT_PT
 
-KIND_COLORS = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}  # forward light blue, backward orange, weight green
+# forward light blue, backward orange, weight green
+KIND_COLORS = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 CHUNK_HATCHES = ("", "////", "....", "xxxx")  # interleaved: chunk 0 plain, chunk 1 hatched, ...
 
@@ -40,7 +41,8 @@ def actions_of(timeline) -> list[tuple[str, int, float, float]]:
 
 def chunks_of(timeline) -> list[int]:
     """The chunk of each action of one rank's timeline (0 where none is recorded)."""
-    return [(item[0].chunk if len(item) == 3 else (int(item[4]) if len(item) > 4 else 0)) for item in timeline]
+    return [(item[0].chunk if len(item) == 3 else (int(item[4]) if len(item) > 4 else 0))
+            for item in timeline]
 
 
 def _raw(run) -> list:
@@ -58,7 +60,8 @@ def _piece(name: str) -> str:
     parts = name.split(".")
     if parts[0] == "layers":
         return f"layers.{parts[1]}"
-    return {"tok_embeddings": "embedding", "norm": "norm + output", "output": "norm + output"}.get(parts[0], parts[0])
+    return {"tok_embeddings": "embedding", "norm": "norm + output",
+            "output": "norm + output"}.get(parts[0], parts[0])
 
 
 def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0):
@@ -74,8 +77,9 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
             piece = _piece(name)
             owner, count = pieces.get(piece, (rank, 0))
             if owner != rank:
-                raise ValueError(f"{piece} is held by rank {owner} and rank {rank}: a stage's pieces "
-                                 f"should not overlap")
+                raise ValueError(
+                    f"{piece} is held by rank {owner} and rank {rank}: a stage's pieces "
+                    f"should not overlap")
             pieces[piece] = (rank, count + numel)
 
     def order(piece: str) -> float:
@@ -94,16 +98,18 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
     for piece in ordered:
         rank, count = pieces[piece]
         w = count / total
-        ax.broken_barh([(x, w)], (0, 1), facecolors=style.rank_color(rank), edgecolor="white", linewidth=1.5,
-                       gid=f"piece:{rank}:{piece}")
+        ax.broken_barh([(x, w)], (0, 1), facecolors=style.rank_color(rank), edgecolor="white",
+                       linewidth=1.5, gid=f"piece:{rank}:{piece}")
         label = piece.replace("layers.", "block ")
         ink = style.text_on(style.rank_color(rank))
         if style.text_fits(w * points, label, 9.0):  # room inside: name and parameter count
             ax.text(x + w / 2, 0.62, label, ha="center", va="center", fontsize=9.0, color=ink)
-            ax.text(x + w / 2, 0.32, f"{count:,}", ha="center", va="center", fontsize=TEXT_PT, color=ink)
-        else:  # a thin piece (the embedding, the output layer of a small vocabulary): named above it
-            ax.annotate(f"{label} ({count:,})", (x + w / 2, 1.0), xytext=(x + w / 2, 1.22), fontsize=TEXT_PT,
-                        ha="left" if x < 0.5 else "right", va="center",
+            ax.text(x + w / 2, 0.32, f"{count:,}", ha="center", va="center", fontsize=TEXT_PT,
+                    color=ink)
+        # a thin piece (the embedding, the output layer of a small vocabulary): named above it
+        else:
+            ax.annotate(f"{label} ({count:,})", (x + w / 2, 1.0), xytext=(x + w / 2, 1.22),
+                        fontsize=TEXT_PT, ha="left" if x < 0.5 else "right", va="center",
                         arrowprops={"arrowstyle": "-", "color": "#666666", "linewidth": 0.6})
         x += w
     for rank in range(len(held)):  # a line under each rank's span
@@ -112,10 +118,11 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
             continue
         start = sum(pieces[p][1] for p in ordered[:ordered.index(mine[0])]) / total
         span = sum(pieces[p][1] for p in mine) / total
-        ax.plot([start + 0.004, start + span - 0.004], [-0.12, -0.12], color=style.rank_color(rank), linewidth=3,
-                solid_capstyle="butt", gid=f"rank:{rank}")
+        ax.plot([start + 0.004, start + span - 0.004], [-0.12, -0.12], color=style.rank_color(rank),
+                linewidth=3, solid_capstyle="butt", gid=f"rank:{rank}")
         params = sum(pieces[p][1] for p in mine)
-        ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center", va="center", fontsize=TEXT_PT)
+        ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center",
+                va="center", fontsize=TEXT_PT)
     ax.set_xlim(0, 1)
     ax.set_ylim(-0.5, 1.35)
     ax.axis("off")
@@ -124,7 +131,7 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
     return fig
 
 
-# -- the Gantt chart --------------------------------------------------------------------------------
+# -- the Gantt chart -------------------------------------------------------------------------------
 def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55, unit: str = "ms",
           text: bool = True, messages: bool = False, ax=None, legend: bool = True):
     """One lane per rank (rank 0 on top), one bar per action at its recorded start and end.
@@ -160,25 +167,29 @@ def gantt(run, *, title: str = "", width: float = 8.0, lane_height: float = 0.55
         for (kind, mb, s, e), chunk in zip(lane, chunks[rank]):
             x, w = (s - t0) * scale, (e - s) * scale
             name = f"{kind}{mb}" + (f"c{chunk}" if chunk else "")
-            ax.broken_barh([(x, w)], (y - 0.38, 0.76), facecolors=KIND_COLORS[kind], edgecolor="black",
-                           linewidth=0.4, hatch=CHUNK_HATCHES[chunk % len(CHUNK_HATCHES)], gid=f"action:{rank}:{name}")
+            ax.broken_barh([(x, w)], (y - 0.38, 0.76), facecolors=KIND_COLORS[kind],
+                           edgecolor="black", linewidth=0.4, hatch=CHUNK_HATCHES[chunk % len(
+                               CHUNK_HATCHES)], gid=f"action:{rank}:{name}")
             names.setdefault(kind, []).append((x + w / 2, y, w * points_per_unit, name))
     for kind, spots in names.items():
         if text and all(style.text_fits(width_pt, name) for _, _, width_pt, name in spots):
             for x, y, _, name in spots:
-                ax.text(x, y, name, ha="center", va="center", fontsize=TEXT_PT, color=style.text_on(KIND_COLORS[kind]),
-                        clip_on=True)
+                ax.text(x, y, name, ha="center", va="center", fontsize=TEXT_PT,
+                        color=style.text_on(KIND_COLORS[kind]), clip_on=True)
     if messages and not interleaved:
-        at = {(rank, kind, mb): (s, e) for rank, lane in enumerate(lanes) for kind, mb, s, e in lane}
+        at = {(rank, kind, mb): (s, e) for rank, lane in enumerate(lanes)
+              for kind, mb, s, e in lane}
         for (rank, kind, mb), (_, end) in at.items():
             to = rank + 1 if kind == "F" else rank - 1
             if (to, kind, mb) not in at:
-                continue  # the last stage's forward feeds its own backward; the first sends no gradient
+                # the last stage's forward feeds its own backward; the first sends no gradient
+                continue
             start = at[to, kind, mb][0]
             y0, y1 = p - 1 - rank, p - 1 - to
             ax.annotate("", xy=((start - t0) * scale, y1 + 0.38 * (1 if kind == "F" else -1)),
                         xytext=((end - t0) * scale, y0 - 0.38 * (1 if kind == "F" else -1)),
-                        arrowprops={"arrowstyle": "->", "color": "#0072B2" if kind == "F" else "#D55E00",
+                        arrowprops={"arrowstyle": "->", "color": "#0072B2" if kind == "F"
+                                    else "#D55E00",
                                     "linewidth": 0.7, "shrinkA": 0, "shrinkB": 0},
                         gid=f"message:{rank}->{to}:{kind}{mb}")
     ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
@@ -203,9 +214,11 @@ def _legend(lanes, chunks, messages: bool) -> list:
     handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.4, label=KIND_NAMES[k])
                for k, c in KIND_COLORS.items() if k in kinds]
     if interleaved:
-        handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c], linewidth=0.4,
-                          label=f"chunk {c}") for c in range(1 + max(max(c, default=0) for c in chunks))]
-    handles.append(Patch(facecolor="white", edgecolor="#999999", linewidth=0.4, label="idle (bubble)"))
+        handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c],
+                          linewidth=0.4, label=f"chunk {c}")
+                          for c in range(1 + max(max(c, default=0) for c in chunks))]
+    handles.append(Patch(facecolor="white", edgecolor="#999999", linewidth=0.4,
+                         label="idle (bubble)"))
     if messages and not interleaved:  # gantt draws no arrows for interleaved runs
         from matplotlib.lines import Line2D
 
@@ -214,8 +227,8 @@ def _legend(lanes, chunks, messages: bool) -> list:
     return handles
 
 
-def gantt_grid(runs: dict, formulas: dict[str, float] | None = None, *, title: str = "", unit: str = "ms",
-               width: float = 10.0, columns: int = 2):
+def gantt_grid(runs: dict, formulas: dict[str, float] | None = None, *, title: str = "",
+               unit: str = "ms", width: float = 10.0, columns: int = 2):
     """Several schedules' Gantt charts side by side on one time axis, one panel per schedule, each
     titled with its measured idle share (mean over ranks) and, if given, its formula's.
 
@@ -246,8 +259,8 @@ def gantt_grid(runs: dict, formulas: dict[str, float] | None = None, *, title: s
         ax.set_xlim(0, right)  # one time axis for all: the longest step
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.legend(handles=_legend(everything, chunks, False), fontsize=LEGEND_PT, loc="outside lower center", ncol=6,
-               frameon=False)
+    fig.legend(handles=_legend(everything, chunks, False), fontsize=LEGEND_PT,
+               loc="outside lower center", ncol=6, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
@@ -258,9 +271,9 @@ def _as_triples(run) -> list[list[tuple]]:
     return [[(kind, s, e) for kind, _, s, e in lane] for lane in _timelines(run)]
 
 
-# -- the bubble as m grows ---------------------------------------------------------------------------
-def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int, *, title: str = "",
-                 width: float = 6.0):
+# -- the bubble as m grows -------------------------------------------------------------------------
+def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int, *,
+                 title: str = "", width: float = 6.0):
     """The measured idle share of the step for each m, next to (p-1)/(m+p-1)."""
     if len(microbatches) != len(measured):
         raise ValueError(f"{len(microbatches)} values of m but {len(measured)} measurements")
@@ -268,10 +281,10 @@ def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int
     fig = style.figure(width, 2.8)
     ax = fig.add_subplot()
     dense = [microbatches[0] + k * (microbatches[-1] - microbatches[0]) / 200 for k in range(201)]
-    ax.plot(dense, [(p - 1) / (m + p - 1) for m in dense], color="black", linestyle="--", linewidth=1.2,
-            label=f"formula (p-1)/(m+p-1), p={p}", gid="formula")
-    ax.plot(microbatches, measured, marker="o", color=style.rank_color(0), label="measured (mean over ranks)",
-            gid="measured")
+    ax.plot(dense, [(p - 1) / (m + p - 1) for m in dense], color="black", linestyle="--",
+            linewidth=1.2, label=f"formula (p-1)/(m+p-1), p={p}", gid="formula")
+    ax.plot(microbatches, measured, marker="o", color=style.rank_color(0),
+            label="measured (mean over ranks)", gid="measured")
     ax.set_xscale("log", base=2)
     ax.set_xticks(microbatches, [str(m) for m in microbatches])
     ax.set_xlabel("micro-batches m")
@@ -284,7 +297,7 @@ def bubble_curve(microbatches: list[int], measured: list[float], num_stages: int
     return fig
 
 
-# -- activations held --------------------------------------------------------------------------------
+# -- activations held ------------------------------------------------------------------------------
 def in_flight_steps(timeline) -> list[tuple[float, int]]:
     """(time, micro-batches held) after each action of one rank: +1 when a forward starts (its
     activations are being kept), -1 when a backward ends (they are freed), or its W when the
@@ -334,5 +347,5 @@ def in_flight(runs: dict[str, list], *, title: str = "", width: float = 8.0):
     return fig
 
 
-__all__ = ["stage_map", "gantt", "gantt_grid", "bubble_curve", "in_flight", "in_flight_steps", "actions_of",
-           "chunks_of", "KIND_COLORS"]
+__all__ = ["stage_map", "gantt", "gantt_grid", "bubble_curve", "in_flight", "in_flight_steps",
+           "actions_of", "chunks_of", "KIND_COLORS"]

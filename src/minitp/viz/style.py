@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 # Colour-blind-safe palette (Okabe-Ito order), one colour per rank, cycling past 8.
-RANK_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
+RANK_COLORS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442",
+               "#000000"]
 OP_COLORS = {
     "all_reduce": "#0072B2",
     "all_gather": "#009E73",
@@ -16,9 +17,10 @@ OP_COLORS = {
 }
 DPI = 80  # small PNGs keep the notebooks and the website light
 
-# Text sizes, in points. At DPI = 80 a font of s points is s·80/72 px at the figure's natural size, and the
-# website shows a figure at natural size up to its content column (COLUMN_PX), scaled down past it. No text
-# a figure stores may come out under MIN_TEXT_PX there (tests/test_viz_text_sizes.py reads every one).
+# Text sizes, in points. At DPI = 80 a font of s points is s·80/72 px at the figure's natural size,
+# and the website shows a figure at natural size up to its content column (COLUMN_PX), scaled down
+# past it. No text a figure stores may come out under MIN_TEXT_PX there
+# (tests/test_viz_text_sizes.py reads every one).
 MIN_TEXT_PX = 9
 COLUMN_PX = 900
 TEXT_PT = 8.5  # the smallest: labels inside bars and boxes, tick labels, notes (9.4 px)
@@ -47,8 +49,8 @@ def text_on(face) -> str:
 
 def readable(color, contrast: float = 4.5) -> tuple[float, float, float]:
     """``color`` darkened (mixed with black) until text in it reads on white: a contrast ratio of at
-    least ``contrast``. Pale colours (the yellow rank, the orange of a send) need it; dark ones come back
-    as they are."""
+    least ``contrast``. Pale colours (the yellow rank, the orange of a send) need it; dark ones come
+    back as they are."""
     from matplotlib.colors import to_rgb
 
     rgb = to_rgb(color)
@@ -60,21 +62,22 @@ def readable(color, contrast: float = 4.5) -> tuple[float, float, float]:
 
 
 def rank_text_color(rank: int) -> tuple[float, float, float]:
-    """The rank's colour for text on white (its own colour, darkened where it is too pale to read)."""
+    """The rank's colour for text on white (its own colour, darkened where it is too pale to
+    read)."""
     return readable(rank_color(rank))
 
 
 def text_fits(width_pt: float, text: str, fontsize: float = TEXT_PT) -> bool:
-    """Whether one line of ``text`` at ``fontsize`` fits in ``width_pt`` points (a rough average glyph
-    width of 0.6 em, plus a little margin)."""
+    """Whether one line of ``text`` at ``fontsize`` fits in ``width_pt`` points (a rough average
+    glyph width of 0.6 em, plus a little margin)."""
     longest = max((len(line) for line in text.splitlines()), default=0)
     return width_pt >= 0.6 * fontsize * longest + 4
 
 
 def text_sizes_px(fig, column_px: float = COLUMN_PX) -> list[tuple[str, float]]:
-    """(text, px) for every visible, non-empty text of ``fig`` as the website shows it: titles, axis and
-    tick labels, legends, annotations and texts inside axes. A font of s points is s·dpi/72 px, scaled down
-    by column_px / the figure's width where the figure is wider than the column."""
+    """(text, px) for every visible, non-empty text of ``fig`` as the website shows it: titles, axis
+    and tick labels, legends, annotations and texts inside axes. A font of s points is s·dpi/72 px,
+    scaled down by column_px / the figure's width where the figure is wider than the column."""
     fig.canvas.draw()  # tick labels and legends take their final text once drawn
     scale = min(1.0, column_px / (fig.get_figwidth() * fig.dpi))
     out = []
@@ -85,9 +88,9 @@ def text_sizes_px(fig, column_px: float = COLUMN_PX) -> list[tuple[str, float]]:
 
 
 def _shown_texts(fig) -> list:
-    """The Text artists a drawn figure shows: the figure's own (suptitle, supxlabel, texts, legends) and,
-    per visible axes, its titles, texts, annotations and legend, and where its axis is on, the axis labels,
-    the offset text and the labels of the ticks inside the view."""
+    """The Text artists a drawn figure shows: the figure's own (suptitle, supxlabel, texts, legends)
+    and, per visible axes, its titles, texts, annotations and legend, and where its axis is on, the
+    axis labels, the offset text and the labels of the ticks inside the view."""
     texts = [t for t in (getattr(fig, "_suptitle", None), getattr(fig, "_supxlabel", None),
                          getattr(fig, "_supylabel", None)) if t is not None]
     texts += list(fig.texts)
@@ -115,24 +118,26 @@ def _shown_texts(fig) -> list:
 def figure(width: float = 8.0, height: float = 3.0, **kwargs):
     """A new figure, not attached to pyplot: it shows once, where the notebook displays it, and
     needs no GUI backend. A Jupyter kernel displays a returned Figure once its inline backend is
-    on: every chapter's first cell runs ``%matplotlib inline`` (importing minitp changes nothing)."""
+    on: every chapter's first cell runs ``%matplotlib inline`` (importing minitp changes
+    nothing)."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained", **kwargs)
 
 
 def label_totals(ax, measured: list[float], formula: list[float] | None) -> None:
-    """The total over each bar of a (measured, formula) pair at x = 0, 1, ...; one over the pair where
-    the two agree to three digits, else one over each (measured left, formula right)."""
+    """The total over each bar of a (measured, formula) pair at x = 0, 1, ...; one over the pair
+    where the two agree to three digits, else one over each (measured left, formula right)."""
     for i, top in enumerate(measured):
         other = formula[i] if formula else None
         if other is None or f"{other:.3g}" == f"{top:.3g}":
             ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
         else:
             for shift, value in ((-0.2, top), (0.2, other)):
-                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom", fontsize=TEXT_PT)
+                ax.text(i + shift, value, f"{value:.3g}", ha="center", va="bottom",
+                        fontsize=TEXT_PT)
 
 
 __all__ = ["RANK_COLORS", "OP_COLORS", "DPI", "MIN_TEXT_PX", "COLUMN_PX", "TEXT_PT", "LEGEND_PT",
-           "rank_color", "rank_text_color", "readable", "text_on", "luminance", "text_fits", "text_sizes_px",
-           "label_totals", "figure"]
+           "rank_color", "rank_text_color", "readable", "text_on", "luminance", "text_fits",
+           "text_sizes_px", "label_totals", "figure"]

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 
 from minitp.trace import Event, Trace
 from minitp.viz import style
-from minitp.viz.format import byte_scale, format_bytes  # noqa: F401  (format_bytes: notebooks import it from here)
+from minitp.viz.format import byte_scale
+from minitp.viz.format import format_bytes as format_bytes  # notebooks import it from here
 from minitp.viz.style import LEGEND_PT, TEXT_PT, label_totals
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
@@ -32,7 +33,7 @@ ACTIVATION_COLOR = "#CC79A7"  # memory_bars' fourth kind, when the entries have 
 COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
 
 
-# -- the message timeline -----------------------------------------------------------------------------
+# -- the message timeline --------------------------------------------------------------------------
 def collect_events(run) -> list[Event]:
     """Events from launch Results, a Trace, a list of Traces or a list of Events."""
     if hasattr(run, "traces"):  # minitp.launch's Results
@@ -86,7 +87,8 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
     t1 = max(e.end for e in events)
     span_ms = max((t1 - t0) * 1e3, 1e-6)
 
-    def shown(label: str) -> str:  # cosmetic: the text drawn, without the prefix every kept label shares
+    # cosmetic: the text drawn, without the prefix every kept label shares
+    def shown(label: str) -> str:
         rest = label[len(label_prefix):].lstrip("/") if label_prefix else label
         return rest or label
 
@@ -97,11 +99,13 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
         lane_height = min(0.75 + 0.08 * (n_rows - 1), 1.3)
     fig = style.figure(width, 0.6 + lane_height * len(lanes))
     ax = fig.add_subplot()
-    points_per_ms = (width - 2.0) * 72 / span_ms  # rough: the axes take the width left of the legend
+    # rough: the axes take the width left of the legend
+    points_per_ms = (width - 2.0) * 72 / span_ms
     row_points = 0.46 / n_rows * lane_height * 72  # height of one message row
     ops_seen: dict[str, str] = {}
-    # labels are drawn all or none per kind: every message of one collective named, or none of them (shorter
-    # texts first: the label without its bytes, then its last part); every span of one name on every rank, or none
+    # labels are drawn all or none per kind: every message of one collective named, or none of them
+    # (shorter texts first: the label without its bytes, then its last part); every span of one name
+    # on every rank, or none
     comm_labels: dict[str, list] = {}
     compute_labels: dict[str, list] = {}
     for i, rank in enumerate(lanes):
@@ -121,16 +125,18 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
                            gid=f"compute:{rank}:{e.op}:{shown(e.label)}")
             if not is_phase:
                 name = shown(e.label) if e.label else e.op
-                compute_labels.setdefault(name, []).append((x + w / 2, y + h / 2, w * points_per_ms, color))
+                compute_labels.setdefault(name, []).append((x + w / 2, y + h / 2, w * points_per_ms,
+                                                            color))
         h = 0.46 / n_rows
         for e in (e for e in comm if e.rank == rank):
             y = base + 0.02 + rows[rank][id(e)] * h
             color = style.OP_COLORS.get(e.op, "#444444")
             ops_seen.setdefault(e.op, color)
             x, w = (e.start - t0) * 1e3, max(e.duration * 1e3, span_ms * 2e-3)
-            ax.broken_barh([(x, w)], (y, h * 0.9), facecolors=color, edgecolor="black", linewidth=0.3,
-                           gid=f"comm:{rank}:{e.op}:{shown(e.label)}")
-            words = shown(e.label)  # cosmetic: the texts to try, longest first; nothing is read from them
+            ax.broken_barh([(x, w)], (y, h * 0.9), facecolors=color, edgecolor="black",
+                           linewidth=0.3, gid=f"comm:{rank}:{e.op}:{shown(e.label)}")
+            # cosmetic: the texts to try, longest first; nothing is read from them
+            words = shown(e.label)
             comm_labels.setdefault(e.op, []).append(
                 (x + 2 * span_ms / 1000, y + h * 0.45, w * points_per_ms, color,
                  [f"{words}  {format_bytes(e.bytes)}", words, words.rpartition("/")[2]]))
@@ -140,12 +146,13 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
         for name, spots in compute_labels.items():
             if all(style.text_fits(width_pt, name) for _, _, width_pt, _ in spots):
                 for x, y, _, color in spots:
-                    ax.text(x, y, name, ha="center", va="center", fontsize=TEXT_PT, color=style.text_on(color),
-                            clip_on=True)
+                    ax.text(x, y, name, ha="center", va="center", fontsize=TEXT_PT,
+                            color=style.text_on(color), clip_on=True)
         tall = row_points >= TEXT_PT + 1.5  # a message row holds a line of text
         for spots in comm_labels.values():
             for choice in range(3):
-                if tall and all(style.text_fits(width_pt, words[choice]) for _, _, width_pt, _, words in spots):
+                if tall and all(style.text_fits(width_pt, words[choice])
+                                for _, _, width_pt, _, words in spots):
                     for x, y, _, color, words in spots:
                         ax.text(x, y, words[choice], ha="left", va="center", fontsize=TEXT_PT,
                                 color=style.text_on(color), clip_on=True)
@@ -161,17 +168,20 @@ def timeline(run, *, label_prefix: str = "", ranks: Iterable[int] | None = None,
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=op.replace("_", "-")) for op, c in ops_seen.items()]
-    if unlabelled:  # some messages too short to name: none of their kind is named, and the legend says so
+    # some messages too short to name: none of their kind is named, and the legend says so
+    if unlabelled:
         handles.append(Patch(color="none", label="(messages too\nshort to label)"))
-    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig
 
 
-# -- memory per rank ------------------------------------------------------------------------------------
+# -- memory per rank -------------------------------------------------------------------------------
 def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] | None = None,
-                limit: float | None = None, limit_label: str = "", title: str = "", width: float = 6.0):
+                limit: float | None = None, limit_label: str = "", title: str = "",
+                width: float = 6.0):
     """Stacked bars of bytes held in params, grads and optimizer state, one pair per rank.
 
     memory: a run report (uses its ``memory`` and ``memory_expected``) or a list of
@@ -195,7 +205,8 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
 
     fig = style.figure(width, 3.0)
     ax = fig.add_subplot()
-    pairs = [("held", memory, 0.0)] if expected is None else [("held", memory, -0.2), ("expected", expected, 0.2)]
+    pairs = [("held", memory, 0.0)] if expected is None else [("held", memory, -0.2),
+                                                              ("expected", expected, 0.2)]
     bar_w = 0.7 if expected is None else 0.38
     tops: dict[str, list[float]] = {"held": [], "expected": []}
     for which, entries, shift in pairs:
@@ -203,8 +214,9 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
             bottom = 0.0
             for kind, color in kinds.items():
                 value = m.get(kind, 0) / scale
-                ax.bar(i + shift, value, bar_w, bottom=bottom, color=color, gid=f"{which}:{i}:{kind}",
-                       alpha=1.0 if which == "held" else 0.45, hatch=None if which == "held" else "//",
+                ax.bar(i + shift, value, bar_w, bottom=bottom, color=color,
+                       gid=f"{which}:{i}:{kind}", alpha=1.0 if which == "held" else 0.45, hatch=None
+                       if which == "held" else "//",
                        edgecolor="white" if which == "held" else color, linewidth=0.5)
                 bottom += value
             tops[which].append(bottom)
@@ -212,8 +224,8 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     if limit is not None:
         ax.axhline(limit / scale, color="#D55E00", linestyle="--", linewidth=1, gid="limit")
         if limit_label:
-            ax.text(len(memory) - 0.5, limit / scale, limit_label, ha="right", va="bottom", fontsize=TEXT_PT,
-                    color="#D55E00")
+            ax.text(len(memory) - 0.5, limit / scale, limit_label, ha="right", va="bottom",
+                    fontsize=TEXT_PT, color="#D55E00")
     ax.set_xticks(range(len(memory)), names)
     ax.set_ylabel(f"held ({unit})")
     ax.set_ylim(0, max(totals + [limit or 0]) / scale * 1.15)
@@ -221,17 +233,20 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=k) for k, c in kinds.items()]
-    if expected is not None:  # swatches in a colour the bars have: the first kind's, solid and hatched
+    # swatches in a colour the bars have: the first kind's, solid and hatched
+    if expected is not None:
         first = next(iter(KIND_COLORS.values()))
         handles += [Patch(facecolor=first, edgecolor="white", label="measured (solid)"),
-                    Patch(facecolor=first, alpha=0.45, edgecolor=first, hatch="//", label="formula (hatched)")]
-    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+                    Patch(facecolor=first, alpha=0.45, edgecolor=first, hatch="//",
+                          label="formula (hatched)")]
+    ax.legend(handles=handles, fontsize=LEGEND_PT, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return fig
 
 
-# -- loss against the reference ------------------------------------------------------------------------
+# -- loss against the reference --------------------------------------------------------------------
 def loss_curve(run, reference: list[float] | None = None, *, title: str = "", width: float = 8.0):
     """The loss per step of one or more runs next to the one-process reference.
 
@@ -247,17 +262,21 @@ def loss_curve(run, reference: list[float] | None = None, *, title: str = "", wi
     else:
         runs = {"run": list(run)}
     fig = style.figure(width, 2.8)
-    ax, ax_diff = fig.subplots(1, 2, width_ratios=[3, 2]) if reference is not None else (fig.add_subplot(), None)
+    ax, ax_diff = fig.subplots(
+        1, 2, width_ratios=[3, 2]) if reference is not None else (fig.add_subplot(), None)
     if reference is not None:
         ax.plot(range(len(reference)), reference, color="black", linestyle="--", linewidth=1.5,
                 label="one process", gid="reference", zorder=3)
     for i, (name, losses) in enumerate(runs.items()):
-        color = style.RANK_COLORS[(i + 1) % len(style.RANK_COLORS)] if len(runs) > 1 else style.RANK_COLORS[0]
-        ax.plot(range(len(losses)), losses, marker="o", markersize=4, color=color, label=name, gid=f"loss:{name}")
+        color = style.RANK_COLORS[(i + 1) % len(style.RANK_COLORS)] if len(
+            runs) > 1 else style.RANK_COLORS[0]
+        ax.plot(range(len(losses)), losses, marker="o", markersize=4, color=color, label=name,
+                gid=f"loss:{name}")
         if ax_diff is not None:
             diffs = [abs(a - b) for a, b in zip(losses, reference)]
             shown = [d if d > 0 else math.nan for d in diffs]
-            ax_diff.plot(range(len(shown)), shown, marker="o", markersize=4, color=color, gid=f"diff:{name}")
+            ax_diff.plot(range(len(shown)), shown, marker="o", markersize=4, color=color,
+                         gid=f"diff:{name}")
     from matplotlib.ticker import MaxNLocator
 
     for a in (ax, ax_diff):

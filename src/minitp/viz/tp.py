@@ -3,7 +3,8 @@ which messages a tensor-parallel layer sent forward and backward.
 
 * ``locate``: how each rank's tensor sits in the full one: a slice (which rows or columns), the same
   copy on every rank, or a partial sum. Found from the values the ranks returned, never assumed.
-* ``matmul_blocks``: Y = X·W drawn as coloured blocks, one colour per rank, from what each rank held.
+* ``matmul_blocks``: Y = X·W drawn as coloured blocks, one colour per rank, from what each rank
+  held.
 * ``weight_shards``: the weights of a tensor-parallel module (``minitp.tp.local_shards`` of every
   rank), each drawn as the (in, out) matrix of y = x·W, coloured by the rank holding each slice;
   optionally with an attention weight's heads marked off and named.
@@ -91,7 +92,8 @@ def _lighten(color: str, amount: float) -> tuple[float, float, float]:
     return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
 
 
-def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], axis_names: tuple[str, str]):
+def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor],
+                axis_names: tuple[str, str]):
     """One matrix as a rectangle (rows down, columns across), each rank's part in its colour."""
     from matplotlib.patches import Rectangle
 
@@ -101,32 +103,36 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
     n = len(shards)
     kinds = {p.kind for p in placements}
     if kinds == {"replicated"}:
-        ax.add_patch(Rectangle((0, 0), cols, rows, facecolor=REPLICATED_COLOR, edgecolor="black", linewidth=0.6,
-                               gid=f"block:{name}:all:replicated"))
+        ax.add_patch(Rectangle((0, 0), cols, rows, facecolor=REPLICATED_COLOR, edgecolor="black",
+                               linewidth=0.6, gid=f"block:{name}:all:replicated"))
         for r in range(n):  # a thin stripe per rank along the top: every rank holds all of it
             ax.add_patch(Rectangle((r * cols / n, -0.09 * rows), cols / n, 0.07 * rows,
                                    facecolor=rank_color(r), edgecolor="none", clip_on=False))
-        ax.text(cols / 2, rows / 2, f"the same on\nall {n} ranks", ha="center", va="center", fontsize=TEXT_PT)
+        ax.text(cols / 2, rows / 2, f"the same on\nall {n} ranks", ha="center", va="center",
+                fontsize=TEXT_PT)
     elif kinds == {"partial"}:
         step = 0.06
         for r in reversed(range(n)):  # a stack of cards: one full-size partial sum per rank
             off = r * step * min(rows, cols)
             ax.add_patch(Rectangle((off, off), cols, rows, facecolor=_lighten(rank_color(r), 0.45),
-                                   edgecolor=rank_color(r), linewidth=1.0, gid=f"block:{name}:{r}:partial"))
-        ax.text(cols / 2, rows / 2, f"{n} partial sums\n(add them: all-reduce)", ha="center", va="center",
-                fontsize=TEXT_PT)
+                                   edgecolor=rank_color(r), linewidth=1.0,
+                                   gid=f"block:{name}:{r}:partial"))
+        ax.text(cols / 2, rows / 2, f"{n} partial sums\n(add them: all-reduce)", ha="center",
+                va="center", fontsize=TEXT_PT)
     else:
         for r, p in enumerate(placements):
             if p.kind != "slice":
                 continue
-            x, y, w, h = (p.start, 0, p.stop - p.start, rows) if p.dim == 1 else (0, p.start, cols, p.stop - p.start)
-            ax.add_patch(Rectangle((x, y), w, h, facecolor=_lighten(rank_color(r), 0.25), edgecolor="black",
-                                   linewidth=0.6, gid=f"block:{name}:{r}:slice"))
-            ax.text(x + w / 2, y + h / 2, f"r{r}", ha="center", va="center", fontsize=TEXT_PT, zorder=4,
-                    bbox={"facecolor": _lighten(rank_color(r), 0.25), "edgecolor": "none", "pad": 0.6})
+            x, y, w, h = ((p.start, 0, p.stop - p.start, rows) if p.dim == 1
+                          else (0, p.start, cols, p.stop - p.start))
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=_lighten(rank_color(r), 0.25),
+                                   edgecolor="black", linewidth=0.6, gid=f"block:{name}:{r}:slice"))
+            ax.text(x + w / 2, y + h / 2, f"r{r}", ha="center", va="center", fontsize=TEXT_PT,
+                    zorder=4, bbox={"facecolor": _lighten(rank_color(r), 0.25), "edgecolor": "none",
+                                    "pad": 0.6})
         if "unknown" in kinds:
-            ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, edgecolor="#D55E00", linewidth=1.5,
-                                   linestyle="--", gid=f"block:{name}:all:unknown"))
+            ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, edgecolor="#D55E00",
+                                   linewidth=1.5, linestyle="--", gid=f"block:{name}:all:unknown"))
     pad = 0.12 * max(rows, cols)
     ax.set_xlim(-0.02 * cols, cols * 1.02 + (pad if "partial" in kinds else 0))
     ax.set_ylim(rows * 1.02 + (pad if "partial" in kinds else 0), -0.12 * rows)
@@ -141,34 +147,38 @@ def _draw_panel(ax, name: str, full: torch.Tensor, shards: list[torch.Tensor], a
     return placements
 
 
-def matmul_blocks(x: tuple[torch.Tensor, list[torch.Tensor]], w: tuple[torch.Tensor, list[torch.Tensor]],
-                  y: tuple[torch.Tensor, list[torch.Tensor]], *, names: tuple[str, str, str] = ("X", "W", "Y"),
-                  dims: tuple[str, str, str] = ("B·S", "D", "F"), title: str = "", width: float = 8.0):
+def matmul_blocks(x: tuple[torch.Tensor, list[torch.Tensor]],
+                  w: tuple[torch.Tensor, list[torch.Tensor]],
+                  y: tuple[torch.Tensor, list[torch.Tensor]], *,
+                  names: tuple[str, str, str] = ("X", "W", "Y"), dims: tuple[str, str, str] = (
+                      "B·S", "D", "F"), title: str = "", width: float = 8.0):
     """Y = X·W as three rectangles, each drawn as (full, [what rank 0, 1, ... held]).
 
-    X is (rows, k), W is (k, m), Y is (rows, m); ``dims`` names rows, k and m. A slice is drawn in its
-    rank's colour where it sits, a replicated matrix in grey with a stripe per rank, partial sums as a
-    stack of full-size cards.
+    X is (rows, k), W is (k, m), Y is (rows, m); ``dims`` names rows, k and m. A slice is drawn in
+    its rank's colour where it sits, a replicated matrix in grey with a stripe per rank, partial
+    sums as a stack of full-size cards.
     """
     fig = figure(width, 2.6)
     axes = fig.subplots(1, 3, width_ratios=[x[0].shape[-1], w[0].shape[-1], y[0].shape[-1]])
     rows, k, m = dims
-    for ax, name, (full, shards), axis_names in zip(axes, names, (x, w, y), ((rows, k), (k, m), (rows, m))):
+    for ax, name, (full, shards), axis_names in zip(axes, names, (x, w, y),
+                                                    ((rows, k), (k, m), (rows, m))):
         _draw_panel(ax, name, full, shards, axis_names)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
 
 
-def _mark_heads(ax, panel: str, shape: tuple[int, int], placements: list[Placement], heads: list[str],
-                groups: list[str] | None = None):
+def _mark_heads(ax, panel: str, shape: tuple[int, int], placements: list[Placement],
+                heads: list[str], groups: list[str] | None = None):
     """Cut the split dimension of one drawn matrix into ``len(heads)`` equal runs (attention heads:
-    a head's features are contiguous) with dotted lines, and name each run along that edge; ``groups``
-    names equal runs of heads on a second line (the query heads that share a key/value head), split
-    by solid lines."""
+    a head's features are contiguous) with dotted lines, and name each run along that edge;
+    ``groups`` names equal runs of heads on a second line (the query heads that share a key/value
+    head), split by solid lines."""
     dims = {p.dim for p in placements if p.kind == "slice"}
     if len(dims) != 1:
-        raise ValueError(f"{panel}: heads are marked along the dimension the ranks split, found {sorted(dims)}")
+        raise ValueError(
+            f"{panel}: heads are marked along the dimension the ranks split, found {sorted(dims)}")
     dim = dims.pop()
     rows, cols = shape
     size = shape[dim]
@@ -187,13 +197,15 @@ def _mark_heads(ax, panel: str, shape: tuple[int, int], placements: list[Placeme
     axis = ax.xaxis if dim == 1 else ax.yaxis
     axis.set_ticks([step * (i + 0.5) for i in range(len(heads))], heads, fontsize=TEXT_PT)
     if groups:
-        axis.set_ticks([step * per_group * (g + 0.5) for g in range(len(groups))], groups, minor=True, fontsize=TEXT_PT)
+        axis.set_ticks([step * per_group * (g + 0.5) for g in range(len(groups))], groups,
+                       minor=True, fontsize=TEXT_PT)
     ax.tick_params(which="major", length=0, pad=1.5)
     ax.tick_params(which="minor", length=0, pad=10)
 
 
-def weight_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | None = None, title: str = "",
-                  width: float = 8.0, height: float = 2.4, heads: dict[str, list[str]] | None = None,
+def weight_shards(per_rank: list[dict], names: list[str], *, labels: list[str] | None = None,
+                  title: str = "", width: float = 8.0, height: float = 2.4,
+                  heads: dict[str, list[str]] | None = None,
                   head_groups: dict[str, list[str]] | None = None):
     """The weights ``names`` of a tensor-parallel module as each rank held them.
 
@@ -215,13 +227,14 @@ def weight_shards(per_rank: list[dict], names: list[str], *, labels: list[str] |
     for ax, name, label, mat in zip(axes, names, labels, mats):
         placements = _draw_panel(ax, label, mat, [r[name][0].T for r in per_rank], ("in", "out"))
         if heads and name in heads:
-            _mark_heads(ax, label, tuple(mat.shape), placements, heads[name], (head_groups or {}).get(name))
+            _mark_heads(ax, label, tuple(mat.shape), placements, heads[name],
+                        (head_groups or {}).get(name))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
 
 
-# -- the messages of a tensor-parallel layer -----------------------------------------------------------
+# -- the messages of a tensor-parallel layer -------------------------------------------------------
 def _events(run, rank: int) -> list[Event]:
     if hasattr(run, "traces"):
         run = run.traces
@@ -242,8 +255,8 @@ def phase_of(event: Event) -> str:
 def _box_text(event: Event, prefix: str) -> str:
     """Cosmetic only: the label as drawn in a small box, without the ``label_prefix`` that picked it
     and without the phase the box's row already shows ("f.backward" -> "f"), where and what on two
-    lines ("attention/sequence_gather.forward" -> "attention\nsequence_gather"). Nothing is read from
-    the text: the row comes from ``Event.phase``, and so does the suffix left out."""
+    lines ("attention/sequence_gather.forward" -> "attention\nsequence_gather"). Nothing is read
+    from the text: the row comes from ``Event.phase``, and so does the suffix left out."""
     text = event.label[len(prefix):].lstrip("/") if prefix else event.label
     where, _, what = text.rpartition("/")
     if event.phase:
@@ -251,7 +264,8 @@ def _box_text(event: Event, prefix: str) -> str:
     return f"{where}\n{what}" if where else what
 
 
-def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "", width: float = 8.0):
+def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
+                 width: float = 8.0):
     """One rank's messages in the order they were sent: forward on the top row, backward below.
 
     run: launch Results, a list of Traces, a Trace or Events. Each box: the collective (colour), its
@@ -267,13 +281,15 @@ def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
     ax = fig.add_subplot()
     for y, (phase, evs) in enumerate(rows.items()):
         if not evs:
-            ax.text(0.1, y, "no message", va="center", fontsize=TEXT_PT, color="#777777", gid=f"msg:{phase}:none")
+            ax.text(0.1, y, "no message", va="center", fontsize=TEXT_PT, color="#777777",
+                    gid=f"msg:{phase}:none")
         for i, e in enumerate(evs):
             color = OP_COLORS.get(e.op, "#444444")
             ax.add_patch(FancyBboxPatch((i + 0.05, y - 0.32), 0.9, 0.64, boxstyle="round,pad=0.02",
                                         facecolor=_lighten(color, 0.35), edgecolor=color,
                                         gid=f"msg:{phase}:{i}:{e.op}"))
-            ax.text(i + 0.5, y, f"{e.op.replace('_', '-')}\n{_box_text(e, label_prefix)}\n{format_bytes(e.bytes)}",
+            op = e.op.replace("_", "-")
+            ax.text(i + 0.5, y, f"{op}\n{_box_text(e, label_prefix)}\n{format_bytes(e.bytes)}",
                     ha="center", va="center", fontsize=TEXT_PT)
     ax.set_xlim(0, max(slots, 4))  # narrow boxes even for one message
     ax.set_ylim(1.5, -0.5)
@@ -285,4 +301,5 @@ def message_flow(run, *, rank: int = 0, label_prefix: str = "", title: str = "",
     return fig
 
 
-__all__ = ["Placement", "locate", "whole", "matmul_blocks", "weight_shards", "message_flow", "phase_of"]
+__all__ = ["Placement", "locate", "whole", "matmul_blocks", "weight_shards", "message_flow",
+           "phase_of"]
