@@ -4,7 +4,7 @@
     flock /tmp/minitp-heavy.lock .venv/bin/python benchmarks/time_model.py --count-ops
 
 Calibrates once (``minitp calibrate``, into a file of its own unless ``--stored``: then it uses the
-calibration ``minitp run`` reads), then runs ``minitp run STRATEGY --nproc 2`` for ddp, fsdp, tp, pp,
+calibration ``minitp run`` reads), then runs ``minitp run STRATEGY --nprocs 2`` for ddp, fsdp, tp, pp,
 cp and ep, ``--runs`` times each, and prints, per strategy, the median of measured / predicted over
 the runs with its spread (lowest–highest), the predicted step and the load average before and after.
 ``--calibrations K`` does all of it K times and ends with each strategy's median over the K
@@ -47,7 +47,7 @@ def minitp(*args: str, env: dict) -> str:
 def one_run(strategy: str, nproc: int, env: dict, folder: str) -> tuple[float, float]:
     """(measured, predicted) seconds of one ``minitp run``: the median rank's median step, the prediction."""
     path = os.path.join(folder, f"{strategy}.json")
-    minitp("run", strategy, "--nproc", str(nproc), "--steps", str(STEPS), "--json", path, env=env)
+    minitp("run", strategy, "--nprocs", str(nproc), "--steps", str(STEPS), "--json", path, env=env)
     with open(path) as f:
         report = json.load(f)
     if report.get("predicted_step_s") is None:
@@ -126,7 +126,7 @@ def one_calibration(args) -> dict[str, float]:
                   f"{statistics.median(measured) * 1e3:7.1f} ms ({measured[0] * 1e3:.1f}-{measured[-1] * 1e3:.1f}) "
                   f"{statistics.median(ratios):9.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}){mark:>10}  "
                   f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}")
-        print(f"\n{args.runs} runs each at --nproc {args.nproc}, {STEPS} steps, in {time.perf_counter() - t0:.0f} s; "
+        print(f"\n{args.runs} runs each at --nprocs {args.nproc}, {STEPS} steps, in {time.perf_counter() - t0:.0f} s; "
               f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
               f"{len(os.sched_getaffinity(0))} cores")
     return medians
@@ -135,7 +135,7 @@ def one_calibration(args) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--stored", action="store_true", help="use the stored calibration, do not calibrate")
     parser.add_argument("--calibrations", type=int, default=1,

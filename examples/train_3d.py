@@ -1,19 +1,21 @@
-"""Train the tiny model on a dp × pp × tp mesh and check it against one process, on one machine or many.
+"""Train the tiny model on a dp × pp × tp mesh and check it against one process, on one machine or
+many.
 
 One machine, 8 local processes (minitp starts them):
 
-    python examples/train_3d.py --nproc 8 --dp 2 --tp 2 --pp 2
+    python examples/train_3d.py --nprocs 8 --dp 2 --tp 2 --pp 2
 
-Two machines of 4 processes each (run on both, NODE_RANK 0 and 1; HOST is the first machine's address):
+Two machines of 4 processes each (run on both, NODE_RANK 0 and 1; HOST is the first machine's
+address):
 
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank NODE_RANK \\
         --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id minitp-3d \\
         examples/train_3d.py --dp 2 --tp 2 --pp 2
 
-Under torchrun nothing is started: every process runs the same code (``minitp.launch`` runs in place),
-the ranks are placed tp-fastest so each tensor-parallel pair stays inside one machine, and the first
-rank prints the report. With ``--backend nccl`` each process computes on its own GPU, ``cuda:LOCAL_RANK``
-(``minitp.launcher.device``): the model, the batches and every message go there.
+Under torchrun nothing is started: every process runs the same code (``minitp.launch`` runs in
+place), the ranks are placed tp-fastest so each tensor-parallel pair stays inside one machine, and
+the first rank prints the report. With ``--backend nccl`` each process computes on its own GPU,
+``cuda:LOCAL_RANK`` (``minitp.launcher.device``): the model, the batches and every message go there.
 """
 
 import argparse
@@ -27,7 +29,8 @@ from minitp.launcher import under_torchrun
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=None, help="local processes (default: torchrun's world)")
+    parser.add_argument("--nprocs", dest="nproc", type=int, default=None,
+                        help="local processes (default: torchrun's world)")
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
@@ -44,8 +47,8 @@ def main() -> int:
         first = int(os.environ["RANK"]) == 0
     else:
         nproc = args.nproc or args.dp * args.tp * args.pp
-    report = runs.run_3d(nproc=nproc, dp=args.dp, tp=args.tp, pp=args.pp, fsdp=args.fsdp, steps=args.steps,
-                          backend=args.backend)
+    report = runs.run_3d(nproc=nproc, dp=args.dp, tp=args.tp, pp=args.pp, fsdp=args.fsdp,
+                         steps=args.steps, backend=args.backend)
     if first:
         print(runs.format_report(report))
         if args.json:

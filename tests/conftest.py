@@ -38,7 +38,7 @@ KINDS = {
     # formulas, the models, the data, layout and plan checks, the source's house rules
     "unit": (
         "test_activations_llama.py", "test_cost.py", "test_cost_structure.py", "test_data.py",
-        "test_layout.py", "test_models.py", "test_plan_cp.py", "test_plan_ep.py", "test_structure.py",
+        "test_layout.py", "test_models.py", "test_parallel_dims.py", "test_plan_cp.py", "test_plan_ep.py", "test_structure.py",
         "test_test_kinds.py", "test_trace.py", "test_units.py", "test_viz_imports.py",
     ),
     # the stored chapters read from notebooks/, in one process: the numbers their prose states, stored
@@ -67,7 +67,7 @@ KINDS = {
         "test_cli_input.py", "test_comm.py", "test_cost_time.py", "test_cp.py", "test_cp_allgather.py",
         "test_cp_attention_kinds.py", "test_cp_ulysses.py", "test_ddp.py", "test_env_and_messages.py",
         "test_ep.py", "test_ep_gradients.py", "test_fsdp.py", "test_launch.py", "test_mesh.py",
-        "test_multinode.py", "test_parallel3d.py", "test_parallel3d_ep.py",
+        "test_multinode.py", "test_parallel3d.py", "test_torchrun_engine.py", "test_parallel3d_ep.py",
         "test_parallel3d_interleaved.py", "test_plan.py", "test_pp.py", "test_pp_bubble_decomposition.py",
         "test_pp_schedules.py", "test_readme.py", "test_reliability_checkpoint.py",
         "test_reliability_launch.py", "test_replicas.py", "test_ring.py", "test_tp.py",

@@ -215,7 +215,7 @@ def test_report_coords_names_the_dimensions_a_run_splits():
 
 def test_minitp_run_trace_out_writes_the_trace(tmp_path, capsys):
     path = tmp_path / "ddp.json"
-    assert cli.main(["run", "ddp", "--nproc", "2", "--steps", "1", "--trace-out", str(path)]) == 0
+    assert cli.main(["run", "ddp", "--nprocs", "2", "--steps", "1", "--trace-out", str(path)]) == 0
     assert f"trace written to {path}" in capsys.readouterr().out
     data = json.loads(path.read_text())
     _check_viewer_rules(data)
@@ -232,7 +232,7 @@ def test_trace_out_into_a_missing_folder_is_refused_before_anything_runs(tmp_pat
 
     monkeypatch.setattr(data_parallel, "launch", never)
     missing = tmp_path / "nowhere" / "t.json"
-    assert cli.main(["run", "ddp", "--nproc", "2", "--trace-out", str(missing)]) == 2
+    assert cli.main(["run", "ddp", "--nprocs", "2", "--trace-out", str(missing)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"minitp: error: --trace-out {missing}: the folder") and "does not exist" in err

@@ -12,7 +12,7 @@ from minitp import cli, runs
 
 def test_run_ddp_reports_a_match_on_every_oracle(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert cli.main(["run", "ddp", "--nproc", "4", "--steps", "3", "--json", str(path)]) == 0
+    assert cli.main(["run", "ddp", "--nprocs", "4", "--steps", "3", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "check: matches the reference, the traced bytes and the memory formulas" in out
     report = json.loads(path.read_text())
@@ -38,9 +38,9 @@ def test_check_catches_a_run_that_drifted():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nproc", "3"], "batch_size=8 is not divisible by nproc=3"),
+    (["--nprocs", "3"], "batch_size=8 is not divisible by nproc=3"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0 is not allowed: expected a finite number > 0"),
-    (["--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),
+    (["--nprocs", "0"], "--nprocs 0 is not allowed: expected an integer >= 1"),
     (["--seq-len", "64"], "--seq-len 64 is not allowed: expected an integer from 1 to 32, the model's max_seq_len"),
 ])
 def test_bad_input_is_one_clear_line(args, message, capsys):
@@ -50,7 +50,7 @@ def test_bad_input_is_one_clear_line(args, message, capsys):
 
 
 def test_the_installed_command_runs():
-    out = subprocess.run([sys.executable, "-m", "minitp.cli", "run", "ddp", "--nproc", "2", "--steps", "1"],
+    out = subprocess.run([sys.executable, "-m", "minitp.cli", "run", "ddp", "--nprocs", "2", "--steps", "1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "minitp run ddp: 2 ranks (dp=2 tp=1 pp=1)" in out.stdout

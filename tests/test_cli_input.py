@@ -11,9 +11,9 @@ from minitp.runs import common, registry
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["run", "ddp", "--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),
-    (["run", "tp", "--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),
-    (["run", "swiglu", "--nproc", "0"], "--nproc 0 is not allowed: expected an integer >= 1"),
+    (["run", "ddp", "--nprocs", "0"], "--nprocs 0 is not allowed: expected an integer >= 1"),
+    (["run", "tp", "--nprocs", "0"], "--nprocs 0 is not allowed: expected an integer >= 1"),
+    (["run", "swiglu", "--nprocs", "0"], "--nprocs 0 is not allowed: expected an integer >= 1"),
     (["run", "ddp", "--steps", "0"], "--steps 0 is not allowed: expected an integer from 1 to 10000"),
     (["run", "ddp", "--steps", "-1"], "--steps -1 is not allowed: expected an integer from 1 to 10000"),
     (["run", "ddp", "--steps", "100000000"], "--steps 100000000 is not allowed: expected an integer from 1 to 10000"),
@@ -26,14 +26,14 @@ from minitp.runs import common, registry
     (["run", "pp", "--microbatches", "0"], "--microbatches 0 is not allowed: expected an integer >= 1"),
     (["run", "3d", "--microbatches", "0"], "--microbatches 0 is not allowed: expected an integer >= 1"),
     (["run", "3d", "--dp", "0"], "--dp 0 is not allowed: expected an integer >= 1"),
-    (["run", "3d", "--nproc", "4"], "dp*pp*tp = 2*2*2 = 8 but the world has 4 ranks"),
-    (["run", "3d", "--nproc", "4", "--cp", "2"], "dp*cp*pp*tp = 2*2*2*2 = 16 but the world has 4 ranks"),
+    (["run", "3d", "--nprocs", "4"], "dp*pp*tp = 2*2*2 = 8 but the world has 4 ranks"),
+    (["run", "3d", "--nprocs", "4", "--cp", "2"], "dp*cp*pp*tp = 2*2*2*2 = 16 but the world has 4 ranks"),
     (["run", "ep", "--capacity-factor", "1e308"], "--capacity-factor 1e+308 is not allowed: expected a finite "
                                                   "number > 0 and at most 1048576"),
     (["plan", "--gpus", "1099511627776", "--cp", "2"], "--gpus 1099511627776 is not allowed: expected an integer "
                                                        "from 1 to 1048576"),
     (["run", "tp", "--seq-len", "33"], "--seq-len 33 is not allowed: expected an integer from 1 to 32"),
-    (["run", "ddp", "--nproc", "100000"], "nprocs=100000 is more than the cap of"),
+    (["run", "ddp", "--nprocs", "100000"], "nprocs=100000 is more than the cap of"),
     (["run", "ddp", "--json", "/nonexistent/dir/r.json"], "--json /nonexistent/dir/r.json: the folder "
                                                           "/nonexistent/dir does not exist"),
     (["plan", "--gpus", "0", "--gpu-memory", "80"], "--gpus 0 is not allowed: expected an integer >= 1"),
@@ -122,7 +122,7 @@ def test_each_strategy_help_lists_its_own_options_only(strategy, own, foreign, c
     with pytest.raises(SystemExit):
         cli.main(["run", strategy, "--help"])
     text = capsys.readouterr().out
-    for flag in own + ["--nproc", "--steps", "--json"]:
+    for flag in own + ["--nprocs", "--steps", "--json"]:
         assert flag in text, flag
     for flag in foreign:
         assert flag not in text, flag

@@ -210,7 +210,7 @@ def test_context_and_expert_parallel_runs_are_predicted_with_their_messages(cali
     predicted, note = predicted_step_s("cp", {"dp": 1, "tp": 1, "pp": 1, "cp": 2}, TINY, train, {})
     want = cost.step_time(TINY, 8, 16, device=calibrate.this_machine(), precision="fp32", cp=2)
     assert note is None and predicted == pytest.approx(want.step_s) and want.cp_s > 0
-    # minitp run ep --nproc 2: the MoE of the tiny preset, experts over both ranks; per step and MoE layer
+    # minitp run ep --nprocs 2: the MoE of the tiny preset, experts over both ranks; per step and MoE layer
     # 4 all-to-alls (dispatch, combine, their gradients) of k·T·(ep-1)/ep rows of D fp32 values, T = 8/2·16
     details = {"experts": 8, "top_k": 2, "capacity_factor": 1.25}
     predicted, note = predicted_step_s("ep", {"dp": 2, "tp": 1, "pp": 1, "ep": 2}, TINY, train, details)

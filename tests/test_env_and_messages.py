@@ -297,7 +297,7 @@ def test_help_still_shows_the_usage(capsys):
 
 
 def test_a_3d_mesh_is_named_as_it_was_typed(capsys, no_launch):
-    assert cli.main(["run", "3d", "--nproc", "4", "--cp", "2"]) == 2
+    assert cli.main(["run", "3d", "--nprocs", "4", "--cp", "2"]) == 2
     err = one_error_line(capsys)
     assert "dp*cp*pp*tp = 2*2*2*2 = 16 but the world has 4 ranks (nproc=4" in err, err
     assert "4*2*2" not in err  # the mesh's dp axis (dp·cp) is nobody's input

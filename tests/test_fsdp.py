@@ -204,7 +204,7 @@ def test_fsdp_matches_fully_shard_on_the_same_seed_and_data(world_size):
 
 def test_minitp_run_fsdp_zero3_matches_reference_bytes_and_holds_a_quarter_of_ddp(tmp_path):
     path = tmp_path / "r.json"
-    assert cli.main(["run", "fsdp", "--nproc", "4", "--zero", "3", "--json", str(path)]) == 0
+    assert cli.main(["run", "fsdp", "--nprocs", "4", "--zero", "3", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert runs.check(report) == []
     assert report["max_abs_param_diff"] <= 1e-5  # the full-batch one-process run

@@ -54,14 +54,14 @@ def test_bad_layouts_are_refused_in_the_parent_with_the_numbers():
 
 def test_cli_run_3d_writes_the_report_and_exits_zero(tmp_path, capsys):
     path = tmp_path / "r.json"
-    rc = cli.main(["run", "3d", "--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2",
+    rc = cli.main(["run", "3d", "--nprocs", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2",
                    "--json", str(path)])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["layout"] == {"dp": 2, "tp": 2, "pp": 2}
     assert report["comm_bytes_traced"] == report["comm_bytes_expected"]
     assert "matches the reference" in capsys.readouterr().out
-    assert cli.main(["run", "3d", "--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "3"]) == 2
+    assert cli.main(["run", "3d", "--nprocs", "8", "--dp", "2", "--tp", "2", "--pp", "3"]) == 2
     assert "dp*pp*tp = 2*3*2 = 12 but the world has 8 ranks" in capsys.readouterr().err
 
 

@@ -306,7 +306,7 @@ def test_a_stage_description_for_another_place_in_the_group_is_refused():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_cli_runs_pp_and_checks_it(tmp_path, capsys, schedule):
     path = tmp_path / "r.json"
-    args = ["run", "pp", "--nproc", "4", "--microbatches", "8", "--schedule", schedule, "--json", str(path)]
+    args = ["run", "pp", "--nprocs", "4", "--microbatches", "8", "--schedule", schedule, "--json", str(path)]
     assert cli.main(args) == 0
     report = json.loads(path.read_text())
     assert runs.check(report) == []
@@ -318,8 +318,8 @@ def test_cli_runs_pp_and_checks_it(tmp_path, capsys, schedule):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nproc", "5"], "pp=5 stages but the model has 4 blocks"),
-    (["--nproc", "2", "--microbatches", "3"], "batch_size=8 is not divisible by microbatches=3"),
+    (["--nprocs", "5"], "pp=5 stages but the model has 4 blocks"),
+    (["--nprocs", "2", "--microbatches", "3"], "batch_size=8 is not divisible by microbatches=3"),
 ])
 def test_cli_refuses_bad_pipelines(capsys, args, message):
     assert cli.main(["run", "pp", *args]) == 2

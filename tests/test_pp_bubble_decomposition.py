@@ -83,7 +83,7 @@ def test_the_hand_over_is_the_mean_of_the_gaps_and_waits_not_their_median():
 
 def test_the_report_places_the_compute_only_bubble_between_the_formula_and_the_measured_one(tmp_path):
     path = tmp_path / "r.json"
-    assert cli.main(["run", "pp", "--nproc", "2", "--microbatches", "4", "--steps", "3", "--json", str(path)]) == 0
+    assert cli.main(["run", "pp", "--nprocs", "2", "--microbatches", "4", "--steps", "3", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert runs.check(report) == []
     # free messages can only shorten a step, so the replay never idles more than the run did

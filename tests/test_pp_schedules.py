@@ -157,7 +157,7 @@ def test_interleaved_and_zero_bubble_match_one_process_torch_and_formulas(stages
 @pytest.mark.parametrize("args", [["--schedule", "interleaved", "--virtual-stages", "2"], ["--schedule", "zb"]])
 def test_cli_runs_the_new_schedules_and_checks_them(tmp_path, args):
     path = tmp_path / "r.json"
-    assert cli.main(["run", "pp", "--nproc", "2", "--microbatches", "8", "--steps", "2", *args,
+    assert cli.main(["run", "pp", "--nprocs", "2", "--microbatches", "8", "--steps", "2", *args,
                      "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert runs.check(report) == []

@@ -235,7 +235,7 @@ def test_trace_out_holds_the_last_steps_messages(tmp_path):
     (["--model", "huge"], "invalid choice: 'huge'"),
     (["--steps", "0"], "--steps 0 is not allowed"),
     (["--warmup", "5", "--steps", "5"], "warmup=5 must be from 0 to steps-1"),
-    (["--nproc", "4", "--dp", "2"], "--nproc 4 but dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2 processes"),
+    (["--nprocs", "4", "--dp", "2"], "--nprocs 4 but dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2 processes"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(argv, said, capsys, monkeypatch):
     def refuse(*args, **kwargs):
@@ -271,7 +271,7 @@ def test_layout_auto_picks_the_fastest_predicted_layout_and_needs_a_calibration(
         raise AssertionError("processes were started for input that should have been refused")
     monkeypatch.setattr("minitp.launcher.launch", refuse)
     monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "none.json"))
-    assert cli.main(["train", "--layout", "auto", "--nproc", "4"]) == 2
+    assert cli.main(["train", "--layout", "auto", "--nprocs", "4"]) == 2
     assert "minitp calibrate" in capsys.readouterr().err
     # a machine whose messages are free: the time model then splits the work evenly, and dp wastes nothing
     (tmp_path / "cal.json").write_text(json.dumps({"flops_per_s": 1e10, "bytes_per_s": 1e15, "alpha_s": 0.0}))

@@ -162,7 +162,7 @@ def test_a_refusal_in_a_rank_is_not_restarted():
     (["--batch-size", "1000000000"], "this run needs about"),
     (["--max-restarts", "1"], "--max-restarts needs --out"),
     (["--cp", "3"], "seq_len=128 is not divisible by 2*cp=6"),
-    (["--model", "byte-moe", "--ep", "3", "--dp", "3", "--batch-size", "6"], "n_experts=4 of --model byte-moe"),
+    (["--model", "byte-moe", "--ep", "3", "--dp", "3", "--batch-size", "6"], "n_experts=4 is not divisible by ep=3"),
     (["--seed", str(2**70)], "seed must be from 0 to 2**63 - 1"),
     (["--lr", "1e308"], "lr=1e+308 is far above"),
     (["--zero", "3"], "--zero 3 sets FSDP's stage: add --fsdp"),

@@ -1,10 +1,10 @@
 """The ``minitp`` command line.
 
-    minitp run ddp --nproc 4 [--steps K] [--bucket-mb X] [--json PATH]
-    minitp run fsdp --nproc 4 [--zero 1|2|3] [--mixed-precision bf16] [--steps K] [--json PATH]
-    minitp run tp --nproc 4 [--sequence-parallel] [--steps K] [--json PATH]
-    minitp run swiglu --nproc 4 [--steps K] [--json PATH]      (the tensor-parallel MLP alone)
-    minitp run pp --nproc 4 [--microbatches M] [--schedule gpipe|1f1b|interleaved|zb]
+    minitp run ddp --nprocs 4 [--steps K] [--bucket-mb X] [--json PATH]
+    minitp run fsdp --nprocs 4 [--zero 1|2|3] [--mixed-precision bf16] [--steps K] [--json PATH]
+    minitp run tp --nprocs 4 [--sequence-parallel] [--steps K] [--json PATH]
+    minitp run swiglu --nprocs 4 [--steps K] [--json PATH]      (the tensor-parallel MLP alone)
+    minitp run pp --nprocs 4 [--microbatches M] [--schedule gpipe|1f1b|interleaved|zb]
         [--virtual-stages V] [--steps K] [--json PATH]
     minitp run 3d --dp 2 --tp 2 --pp 2 [--fsdp [--zero Z]] [--save-to DIR] [--resume-from DIR]
     minitp plan --model llama3-8b --gpus 64 --gpu-memory 80      (the layouts that fit; no run)
@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from minitp import runs  # noqa: F401  (registers every strategy)
 from minitp.launcher import LaunchError, RankError
-from minitp.layout import AXES, DIMS
+from minitp.layout import AXES
 from minitp.plan import MAX_GPUS
 from minitp.runs.context_parallel import ATTENTION
 from minitp.runs.registry import STRATEGIES, Option, OptionError, Strategy
@@ -101,12 +101,26 @@ def _add_option(parser: argparse.ArgumentParser, option: Option) -> None:
                         choices=choices, metavar=option.metavar, help=option.help + default)
 
 
+def _first_rank() -> bool:
+    """Whether this process speaks for the run: always, but under torchrun only global rank 0."""
+    from minitp.launcher import under_torchrun
+
+    return not under_torchrun() or os.environ["RANK"] == "0"
+
+
 def _run(args: argparse.Namespace) -> int:
+    from minitp.launcher import under_torchrun
+
     strategy: Strategy = STRATEGIES[args.strategy]
     values = {o.name: getattr(args, o.name) for o in strategy.all_options()}
-    _check_output_file("--json", args.json)
-    _check_output_file("--trace-out", args.trace_out)
+    if under_torchrun() and "nproc" in values:  # the world is torchrun's, each rank runs this
+        values["nproc"] = int(os.environ["WORLD_SIZE"])
+    if _first_rank():
+        _check_output_file("--json", args.json)
+        _check_output_file("--trace-out", args.trace_out)
     report = strategy.runner(**values)
+    if not _first_rank():  # every rank holds the whole report; the first one prints and writes it
+        return 1 if report.check() else 0
     print(report.format())
     if args.json:
         report.to_json(args.json)
@@ -243,15 +257,6 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
     # train makes --out, nothing else
     _check_output_file("--trace-out", args.trace_out, made_folder=args.out)
-    dims = {d: getattr(args, d) for d in DIMS if d != "ep"}
-    if args.layout == "auto" and any(v > 1 for v in dims.values()):
-        raise ValueError("--layout auto picks dp, tp and pp itself: give it --nproc N, without "
-                         "--dp/--tp/--pp/--cp")
-    world = args.dp * args.tp * args.pp * args.cp
-    if args.layout is None and args.nproc is not None and args.nproc != world:
-        raise ValueError(f"--nproc {args.nproc} but dp x tp x pp x cp = {args.dp} x {args.tp} x "
-                         f"{args.pp} x {args.cp} = {world} processes: give the layout's product, "
-                         f"or --layout auto --nproc {args.nproc}")
     s = trainer.Settings(
         model=args.model, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
         cp_attention=args.attention, data_parallel="fsdp" if args.fsdp else "ddp", zero=args.zero,
@@ -261,6 +266,14 @@ def _train(args: argparse.Namespace) -> int:
         clip=args.clip, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, out=args.out, resume=args.resume, overwrite=args.overwrite,
         seed=args.seed, corpus=args.corpus, max_files=args.max_files, kill_at=args.kill_at)
+    dims = s.dims  # what composes with what, checked as it is made
+    if args.layout == "auto" and set(dims.on) - {"ep"}:
+        raise ValueError("--layout auto picks dp, tp and pp itself: give it --nprocs N, without "
+                         "--dp/--tp/--pp/--cp")
+    if args.layout is None and args.nproc is not None and args.nproc != dims.world:
+        raise ValueError(f"--nprocs {args.nproc} but dp x tp x pp x cp = {args.dp} x {args.tp} x "
+                         f"{args.pp} x {args.cp} = {dims.world} processes: give the layout's "
+                         f"product, or --layout auto --nprocs {args.nproc}")
     if args.layout == "auto":
         s, rows = training.auto_layout(s, args.nproc or 2)
         print("minitp train --layout auto: the time model's step on this machine (minitp "
@@ -308,11 +321,11 @@ def _train_options():
                                         "context-parallel ranks per replica (ring attention)"),
             ("ep", "expert-parallel ranks (--model byte-moe)"))),
         ATTENTION,
-        Option("layout", str, None, "auto: the planner picks dp, tp and pp for --nproc processes",
+        Option("layout", str, None, "auto: the planner picks dp, tp and pp for --nprocs processes",
                choices=("auto",)),
         Option("nproc", int, None,
                "processes: dp x tp x pp x cp, or what --layout auto splits (default 2)", low=1,
-               optional=True),
+               optional=True, spelled="nprocs"),
         Option("fsdp", bool, False, "FSDP across replicas (default DDP)"),
         Option("zero", int, None, "ZeRO stage with --fsdp", choices=(None, 1, 2, 3)),
         Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
@@ -375,6 +388,24 @@ class _Usage(Exception):
     ...``."""
 
 
+DESCRIPTION = """\
+minitp: data, fully sharded, tensor, pipeline, context and expert parallelism,
+built from scratch on torch.distributed, run on N processes and checked against
+one process, PyTorch and the formulas."""
+# the docstring's examples, as a terminal shows them
+EXAMPLES = "examples:\n" + __doc__.split("\n\n")[1].strip("\n")
+
+
+def _version() -> str:
+    import platform
+
+    import torch
+
+    from minitp import __version__
+
+    return f"minitp {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser (and its subcommands'), whose error is one line without the usage block
     above it (``--help`` shows that): ``minitp run 3d: error: argument --dp: invalid int value:
@@ -384,8 +415,29 @@ class _Parser(argparse.ArgumentParser):
         raise _Usage(f"{self.prog}: error: {message}")
 
 
+def _tell_torchrun(error: BaseException) -> None:
+    """Under torchrun, leave this rank's error where its agent reads it (TORCHELASTIC_ERROR_FILE),
+    so that its failure summary names it, as ``@record`` does for an uncaught one."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="minitp", description=__doc__.split("\n\n")[0])
+    """The command line; under torchrun inside torch's ``@record``, so that an error nothing here
+    caught still reaches the agent's failure summary."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_main)(argv)
+    return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _Parser(prog="minitp", description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train with a strategy on N processes and check it",
@@ -453,9 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except OptionError as e:  # bad input: one clear line naming the flag, no traceback
         print(f"minitp: error: {e.as_flag()}", file=sys.stderr)
+        _tell_torchrun(e)
         return 2
     except ValueError as e:
         print(f"minitp: error: {e}", file=sys.stderr)
+        _tell_torchrun(e)
         return 2
     # a second Ctrl-C or SIGTERM while minitp train was saving: stopped at once
     except KeyboardInterrupt as e:
@@ -466,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:  # a rank failed or hung: its message carries the rank's own traceback
         one_line = _rank_one_line(e)
         # ... unless what it raised says all in one line (the file, what was wrong)
+        _tell_torchrun(e)
         if one_line is not None:
             print(f"minitp: error: {one_line[0]}", file=sys.stderr)
             return one_line[1]

@@ -30,7 +30,7 @@ The two other dimensions split a dp group (the ranks that average gradients toge
 ``torch.distributed.new_group`` must be called by every rank of the world, for every group, in
 the same order (even for groups the rank is not in), so ``Mesh`` builds all of them, in a fixed
 order, and keeps the ones it belongs to. The arithmetic needs no process group and lives in
-``minitp.grid`` (with ``check_composition``, what composes with what); the trainer that composes
+``minitp.grid`` (with ``ParallelDims``, what composes with what); the trainer that composes
 the strategies on a mesh is ``minitp.parallel3d.Parallel3D``.
 """
 

@@ -12,7 +12,7 @@ Every wrapper of step 3 (and expert parallel's, in its place) keeps the same dat
 (``minitp.replicas``: ``no_sync()``, ``finish_gradients()``), so the trainer never asks which one it
 holds. Also here: the inverse, whole tensors from every rank's tp slices (``unshard_3d``). The mesh
 and every group are in ``minitp.mesh``; the arithmetic and what composes with what in
-``minitp.grid``.
+``minitp.grid`` (``ParallelDims``, asked once at the top of ``Parallel3D``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from minitp import tp as _tp
 from minitp import trace as _trace
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel
-from minitp.grid import check_composition, check_zero
+from minitp.grid import ParallelDims
 from minitp.measure.memory import held_bytes
 from minitp.mesh import Mesh
 from minitp.models import Transformer, loss_fn
@@ -78,85 +78,94 @@ class Parallel3D:
                  lr: float = 3e-3, bucket_mb: float = 25.0,
                  device: torch.device | str | None = None, virtual_stages: int = 1,
                  cp_attention: str = "ring"):
-        check_composition(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep, data_parallel,
-                          schedule, virtual_stages)
-        self.zero = check_zero(data_parallel, zero, mesh.pp)
-        self.mesh, self.data_parallel = mesh, data_parallel
-        # what a checkpoint stores and checks: the plain model's config and its parameters' whole
-        # shapes
+        # which dimensions are on and whether they compose: asked of one object, checked as made
+        self.dims = ParallelDims(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep,
+                                 data_parallel, zero, schedule, virtual_stages, cp_attention)
+        self.dims.check_model(model.config)
+        self.mesh, self.data_parallel, self.zero = mesh, data_parallel, self.dims.zero
+        # what a checkpoint stores and checks: the plain model's config and its whole shapes
         self.config = model.config
         self.whole_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self.device = torch.device(device) if device is not None else comm.device()
         model.to(self.device)
-        self.loss = loss_fn
-        if mesh.tp > 1:
-            _tp.parallelize(model, mesh.tp_group)  # logits (B, S, V/tp)
-            self.loss = lambda logits, targets: _tp.vocab_parallel_cross_entropy(
-                logits, targets, mesh.tp_group)
-        # context parallel: the mesh's dp axis holds dp·cp ranks; every attention runs the ring (or
-        # Ulysses' all-to-alls, or the all-gathers) over mesh.cp_group, and RoPE rotates this rank's
-        # (B/dp, S/cp) tokens by their positions
-        self.context = _cp.Context(mesh.cp_group, attention=cp_attention) if mesh.cp > 1 else None
         moe = isinstance(model.config, MoEConfig)
-        if mesh.ep > 1 and not moe:
-            raise ValueError(f"ep={mesh.ep} needs a MoE model (minitp.models.moe), got "
-                             f"{type(model.config).__name__}")
-        if moe and mesh.pp == 1:
-            loss = self.loss
-            self.loss = lambda logits, targets: loss(
-                logits, targets) + model.config.aux_loss_coef * aux_loss(model)
-        interleaved = None
-        if mesh.pp > 1 and schedule == "interleaved":
-            # v chunks per rank, run by the pipeline itself; DDP only keeps the gradient buckets
-            # (under no_sync during the schedule, averaged after it), so no chunk needs to run
-            # through it
-            interleaved = Pipeline(model, mesh.pp_group, schedule, microbatches, loss=self.loss,
-                                   virtual_stages=virtual_stages, context=self.context)
-            module = interleaved.module
-        elif mesh.pp > 1:
-            module = PipelineStage(model, mesh.coords.pp, mesh.pp, self.context)
-        else:
-            module = model
-        # data parallel over the dp axis: whichever wrapper, the same protocol (no_sync,
-        # finish_gradients)
-        self.ddp = self.fsdp = self.expert_parallel = self.replicas = None
-        # the experts of the blocks this rank holds over its ep group, the rest over dp
-        if mesh.ep > 1:
-            self.expert_parallel = self.replicas = _ep.ExpertParallel(module, mesh.ep_group,
-                                                                      mesh.dp_group,
-                                                                      mesh.expert_dp_group)
-        # a MoE in a pipeline: each stage's layers add their auxiliary loss to the backward
-        # themselves (the last stage's loss is the cross-entropy only), 1/m of it per micro-batch
-        # loss = cross-entropy + coef · aux
         self.aux_loss_coef = model.config.aux_loss_coef if moe else 0.0
-        # this stage's share of the step's auxiliary loss (without coef), pp > 1
-        self.aux_per_step = 0.0
-        self._aux_parts: list[torch.Tensor] = []  # its pieces, detached, read once the step is over
+
+        # 1. tensor parallel: every matrix of the whole model split over the tp group
+        if mesh.tp > 1:
+            _tp.parallelize(model, mesh.tp_group)
+        # 2. context parallel: every attention across the cp group (the ring, Ulysses' all-to-alls
+        # or the all-gathers), RoPE at this rank's (B/dp, S/cp) tokens' positions
+        self.context = _cp.Context(mesh.cp_group, attention=cp_attention) if mesh.cp > 1 else None
+        # 3. pipeline parallel: this rank's stage (interleaved: its v chunks, and the pipeline that
+        # runs them, since no wrapper stands between them)
+        self.module, self.pipeline = self._stage(model, schedule, microbatches, virtual_stages)
+        # 4. expert parallel: this rank keeps its experts of each MoE layer, over the ep group
+        self.expert_parallel = None
+        if mesh.ep > 1:
+            self.expert_parallel = _ep.ExpertParallel(self.module, mesh.ep_group, mesh.dp_group,
+                                                      mesh.expert_dp_group)
+        # a MoE in a pipeline: each stage's layers add their part of the auxiliary loss themselves
+        self.aux_per_step = 0.0  # this stage's share of the step's aux (without coef)
+        self._aux_parts: list[torch.Tensor] = []  # its pieces, detached, read after the step
         if moe and mesh.pp > 1:
-            for layer in moe_layers(module):
-                layer.register_forward_hook(self._add_aux_loss(model.config.aux_loss_coef,
-                                                               microbatches))
-        # read before FSDP takes the parameters: the stage's dtype and device, the dim tp split each
-        # parameter along (None: replicated)
-        stage = StageSpec.of(module) if mesh.pp > 1 and interleaved is None else None
-        self.module = module  # what this rank holds, under the plain model's names
-        self.split_dims = _tp.split_dims(module)  # (its experts only, under ep)
-        if mesh.ep == 1 and mesh.dp > 1 and data_parallel == "ddp":
-            self.ddp = self.replicas = DistributedDataParallel(module, mesh.dp_group,
-                                                               bucket_mb=bucket_mb)
-        elif mesh.ep == 1 and mesh.dp > 1:
-            self.fsdp = self.replicas = FullyShardedDataParallel(module, mesh.dp_group,
-                                                                 zero=self.zero)
-        self.step_model = module if self.replicas is None else self.replicas
-        self.pipeline = interleaved
-        if stage is not None:  # the pipeline calls the wrapper, computing in its dtype
+            for layer in moe_layers(self.module):
+                layer.register_forward_hook(self._add_aux_loss(self.aux_loss_coef, microbatches))
+        # read before FSDP takes the parameters: the dim tp split each one along (None: whole; its
+        # own experts only, under ep), the stage's dtype and device
+        self.split_dims = _tp.split_dims(self.module)
+        stage = StageSpec.of(self.module) if mesh.pp > 1 and self.pipeline is None else None
+        # 5. data parallel over the dp axis: DDP or FSDP (expert parallel keeps its own replicas)
+        self.replicas = self._replicate(self.module, bucket_mb)
+        self.step_model = self.module if self.replicas is None else self.replicas
+        # 6. the pipeline (one chunk per rank) calls the wrapper, computing in its dtype
+        if stage is not None:
             dtype = self.fsdp.compute_dtype if self.fsdp else stage.dtype
             stage = replace(stage, forward=self.step_model, dtype=dtype)
             self.pipeline = Pipeline(stage, mesh.pp_group, schedule, microbatches, loss=self.loss)
-        params = self.fsdp.parameters() if self.fsdp else module.parameters()
+        params = self.fsdp.parameters() if self.fsdp else self.module.parameters()
         self.optimizer = make_optimizer(params, lr)
         if self.fsdp:
             self.fsdp.attach(self.optimizer)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of (B, S, V) logits (under tp (B, S, V/tp), the vocabulary split:
+        ``tp.vocab_parallel_cross_entropy``); a MoE on one stage adds ``aux_loss_coef`` · aux."""
+        if self.mesh.tp > 1:
+            loss = _tp.vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group)
+        else:
+            loss = loss_fn(logits, targets)
+        if self.aux_loss_coef and self.mesh.pp == 1:
+            loss = loss + self.aux_loss_coef * aux_loss(self.module)
+        return loss
+
+    def _stage(self, model: Transformer, schedule: str, microbatches: int,
+               virtual_stages: int) -> tuple[torch.nn.Module, Pipeline | None]:
+        """What this rank holds of the (tp-split) model: all of it (pp = 1), its stage, or its v
+        chunks under the interleaved schedule, whose pipeline is made here: DDP only keeps their
+        gradient buckets (under no_sync during the schedule, averaged after it)."""
+        if self.mesh.pp > 1 and schedule == "interleaved":
+            pipeline = Pipeline(model, self.mesh.pp_group, schedule, microbatches, loss=self.loss,
+                                virtual_stages=virtual_stages, context=self.context)
+            return pipeline.module, pipeline
+        if self.mesh.pp > 1:
+            return PipelineStage(model, self.mesh.coords.pp, self.mesh.pp, self.context), None
+        return model, None
+
+    def _replicate(self, module: torch.nn.Module, bucket_mb: float):
+        """The data-parallel wrapper ``ParallelDims.replicas`` names over the dp group (expert
+        parallel's, made already), or None; also kept as ``ddp`` or ``fsdp``."""
+        mesh, kind = self.mesh, self.dims.replicas
+        self.ddp = self.fsdp = None
+        if kind == "expert_parallel":
+            return self.expert_parallel
+        if kind == "ddp":
+            self.ddp = DistributedDataParallel(module, mesh.dp_group, bucket_mb=bucket_mb)
+            return self.ddp
+        if kind == "fsdp":
+            self.fsdp = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
+            return self.fsdp
+        return None
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward and backward of one global batch (B, S), the same on every rank; gradients end

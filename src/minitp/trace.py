@@ -34,6 +34,7 @@ Two byte counts are kept per message (see ``minitp.cost`` for the formulas):
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -99,6 +100,10 @@ class Trace:
 
     rank: int = 0
     events: list[Event] = field(default_factory=list)
+    # perf_counter's clock is this machine's own: time.time() - time.perf_counter() when recording
+    # began, and where, so traces from several machines line up (``viz.chrome_trace``)
+    host: str = field(default_factory=socket.gethostname)
+    clock_offset: float = field(default_factory=lambda: time.time() - time.perf_counter())
     _scopes: list[str] = field(default_factory=list, repr=False)
     _tags: list[dict] = field(default_factory=list, repr=False)
 

@@ -43,10 +43,9 @@ import torch.distributed as dist
 
 from minitp import checkpoint, comm
 from minitp import trace as _trace
-from minitp.cost.context import check_cp_attention, check_ulysses_heads
 from minitp.data import Sampler, check_seq_len, load_corpus
-from minitp.grid import check_3d_layout, check_composition, check_zero
-from minitp.layout import DIMS, cp_chunks
+from minitp.grid import ParallelDims
+from minitp.layout import DIMS
 from minitp.mesh import Mesh
 from minitp.models import ModelConfig, Transformer, build_model, loss_fn
 from minitp.models.moe import MoEConfig, aux_loss, build_moe_model, moe_config, moe_loss
@@ -109,6 +108,12 @@ class Settings:
     def virtual_stages(self) -> int:
         return 2 if self.schedule == "interleaved" else 1
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The dimensions and what composes with what, checked as it is made."""
+        return ParallelDims(self.dp, self.pp, self.tp, self.cp, self.ep, self.data_parallel,
+                            self.zero, self.schedule, self.virtual_stages, self.cp_attention)
+
     def check(self) -> None:
         """Refuse what cannot run, with one sentence, before any process starts."""
         if self.model not in PRESETS:
@@ -117,8 +122,6 @@ class Settings:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         check_seq_len(self.seq_len, self.config.max_seq_len)
-        if self.ep > 1 and not isinstance(self.config, MoEConfig):
-            raise ValueError(f"ep={self.ep} needs a mixture of experts: add --model byte-moe")
         if self.batch_size % (self.dp * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must divide by dp·microbatches = "
                              f"{self.dp}·{self.microbatches}")
@@ -147,23 +150,7 @@ class Settings:
         if not self.lr <= 10:  # AdamW's step is about lr per element: past 10 every weight is noise
             raise ValueError(f"lr={self.lr:g} is far above any learning rate that trains (AdamW "
                              f"moves each weight by about lr a step); expected at most 10")
-        check_composition(self.dp, self.pp, self.tp, self.cp, self.ep, self.data_parallel,
-                          self.schedule, self.virtual_stages)
-        check_3d_layout(self.config, self.dp * self.cp, self.pp, self.tp)
-        check_zero(self.data_parallel, self.zero, self.pp)
-        check_cp_attention(self.cp_attention)
-        if self.cp > 1:
-            cp_chunks(self.seq_len, self.cp, 0)  # each rank's positions: 2·cp equal chunks
-        if isinstance(self.config, MoEConfig) and (self.tp > 1 or self.cp > 1):
-            raise ValueError(f"--model {self.model} trains with tp = 1 and cp = 1 (got "
-                             f"tp={self.tp}, cp={self.cp}): minitp splits no expert over tp, and "
-                             "its load-balancing loss would be each cp rank's own positions', not "
-                             "the sequence's; use --dp, --ep and --pp")
-        if self.ep > 1 and self.config.n_experts % self.ep:
-            raise ValueError(f"n_experts={self.config.n_experts} of --model {self.model} is not "
-                             f"divisible by ep={self.ep}: every rank holds E/ep experts")
-        if self.cp > 1 and self.cp_attention == "ulysses":
-            check_ulysses_heads(self.config, self.cp, self.tp)
+        self.dims.check_model(self.config, seq_len=self.seq_len)
 
 
 def lr_at(step: int, s: Settings) -> float:

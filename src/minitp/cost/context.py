@@ -37,6 +37,7 @@ from minitp.cost.strategies import (
     pp_peak_microbatches_in_flight,
 )
 from minitp.cost.threed import rank_num_blocks, threed_step_bytes
+from minitp.grid import check_cp_attention, check_ulysses_heads
 from minitp.layout import CP_ATTENTIONS, CP_TILE, check_divisible, cp_chunks, stage_num_blocks
 
 __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
@@ -45,22 +46,6 @@ __all__ = ["cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_b
            "allgather_attention_bytes", "CP_ATTENTIONS", "check_cp_attention",
            "check_ulysses_heads", "cp_kind_attention_bytes", "cp_attention_activation_bytes",
            "cp_attention_activation_bytes_per_rank"]
-
-def check_cp_attention(attention: str) -> str:
-    """``attention`` if it is one of ``CP_ATTENTIONS``, else a ValueError naming them."""
-    if attention not in CP_ATTENTIONS:
-        raise ValueError(f"attention must be one of {', '.join(CP_ATTENTIONS)}, got {attention!r}")
-    return attention
-
-
-def check_ulysses_heads(cfg, cp: int, tp: int = 1) -> None:
-    """Ulysses gives each cp rank 1/cp of the heads a tp rank holds: cp must divide n_heads/tp and
-    kv_heads/tp (ValueError naming the numbers otherwise)."""
-    for name, heads in (("n_heads", cfg.n_heads), ("kv_heads", cfg.kv_heads)):
-        if (heads // tp) % cp:
-            per = f"{name}/tp = {heads}/{tp} = {heads // tp}" if tp > 1 else f"{name}={heads}"
-            raise ValueError(
-                f"Ulysses splits each tp rank's heads over cp: {per} is not divisible by cp={cp}")
 
 
 def cp_kv_block_bytes(batch: int, seq: int, kv_heads: int, head_dim: int, cp: int,

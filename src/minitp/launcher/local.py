@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,6 +27,13 @@ from minitp.launcher import progress as _progress
 from minitp.launcher.results import LaunchError, LaunchTimeout, RankError, Results
 from minitp.launcher.stuck import call_line, dump_stacks, likely_mistake
 from minitp.launcher.worker import run_rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 _GRACE_S = 0.5  # after a rank raises, how long to watch for a rank that died (the likelier cause)
 
@@ -53,9 +61,10 @@ def run_local(fn, nprocs: int, args: tuple, *, backend: str, timeout: float,
             # forcing one torch thread and touches nothing of the parent's threads.
             warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks",
                                     category=DeprecationWarning)
+            port = _free_port()  # named as torchrun names it; the group meets in a file store
             for rank in range(nprocs):
                 p = ctx.Process(target=run_rank,
-                                args=(rank, nprocs, payload, backend, workdir, timeout),
+                                args=(rank, nprocs, payload, backend, workdir, timeout, port),
                                 name=f"minitp-rank{rank}", daemon=True)
                 p.start()
                 procs.append(p)

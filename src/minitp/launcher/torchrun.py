@@ -7,10 +7,12 @@ enforces the run's timeout, so a watchdog thread does.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -28,9 +30,9 @@ class _Ran:
 
 def _join(backend: str, rank: int, world: int, timeout: float) -> None:
     """Join torchrun's process group (env://: MASTER_ADDR, MASTER_PORT), every rank present within
-    ``guard.join_timeout``; then the run's ``timeout`` holds for every collective. Under torchrun's
-    own store (TORCHELASTIC_USE_AGENT_STORE) connecting waits for no one, so the ranks also check
-    in."""
+    ``guard.join_timeout``; then the run's ``timeout`` holds for every collective. Torchrun's store
+    outlives its restarts, so the ranks first agree on a generation of their own (``_generation``)
+    and keep the group's keys under it: what a failed round left in the store is never read."""
     import torch.distributed as dist
 
     join = guard.join_timeout(timeout)
@@ -39,11 +41,7 @@ def _join(backend: str, rank: int, world: int, timeout: float) -> None:
     deadline = time.monotonic() + join
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=join)))
-        # a restarted group checks in anew
-        attempt = f"minitp/join/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        store.set(f"{attempt}/{rank}", "1")
-        left = max(deadline - time.monotonic(), 0.1)
-        store.wait([f"{attempt}/{r}" for r in range(world)], timedelta(seconds=left))
+        generation = _generation(store, rank, world, deadline)
     except Exception as e:
         said = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise LaunchError(
@@ -53,10 +51,45 @@ def _join(backend: str, rank: int, world: int, timeout: float) -> None:
             f"if torchrun did not start this process, RANK, WORLD_SIZE, MASTER_ADDR and "
             f"MASTER_PORT are stale: unset them ({said})") from e
     store.set_timeout(timedelta(seconds=timeout))
-    # the group's keys under this attempt's name: torchrun's store outlives a restart, and the
-    # addresses the ranks of the failed attempt left in it must not be read by the new ones
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{attempt}/default_pg", store),
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{generation}/default_pg", store),
                             rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+
+
+def _generation(store, rank: int, world: int, deadline: float) -> str:
+    """The key prefix every rank of this round derives alike, whichever agent restarted for which
+    reason (an agent that lost a rank counts a restart in TORCHELASTIC_RESTART_COUNT, one that
+    restarts for the other's new membership does not). Rank 0 draws the next generation from a
+    counter in the store and opens it once every rank has checked in under it with a fresh nonce;
+    a rank reads the counter, checks in, and takes the generation when the opening names its
+    nonce: one left by a failed round never does."""
+    nonce = uuid.uuid4().hex
+    if rank == 0:
+        generation = f"minitp/generation/{store.add('minitp/generation', 1)}"
+        store.set(f"{generation}/rank0", nonce)
+        keys = [f"{generation}/rank{r}" for r in range(world)]
+        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
+        store.set(f"{generation}/open", json.dumps([store.get(k).decode() for k in keys]))
+        return generation
+    while True:
+        drawn = store.add("minitp/generation", 0)  # 0: rank 0 has drawn none yet
+        generation = f"minitp/generation/{drawn}"
+        if drawn:
+            store.set(f"{generation}/rank{rank}", nonce)
+            if store.check([f"{generation}/open"]) or _opened_soon(store, generation):
+                if nonce in json.loads(store.get(f"{generation}/open")):
+                    return generation
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 opened no generation naming rank {rank}")
+        time.sleep(0.05)
+
+
+def _opened_soon(store, generation: str) -> bool:
+    """Whether ``generation`` opens within a second (rank 0 is waiting for the others)."""
+    try:
+        store.wait([f"{generation}/open"], timedelta(seconds=1))
+        return True
+    except Exception:  # the store's timeout: not yet
+        return False
 
 
 def run_in_place(fn, args, backend: str, timeout: float) -> Results:

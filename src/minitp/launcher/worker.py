@@ -44,9 +44,11 @@ def _redirect_output(workdir: str, rank: int) -> None:
 
 
 def run_rank(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str,
-             timeout: float) -> None:
+             timeout: float, master_port: int = 0) -> None:
     """Rank ``rank`` of ``nprocs``: run the ``(fn, args)`` the parent shipped in ``payload``; never
-    returns."""
+    returns. Its environment names what torchrun's would (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), so code written for torchrun reads
+    them here too; the process group itself meets in a file of the run's folder."""
     _die_with_parent()
     _redirect_output(workdir, rank)
     answer_where(workdir, rank)
@@ -60,6 +62,10 @@ def run_rank(rank: int, nprocs: int, payload: bytes, backend: str, workdir: str,
                        "RANK": str(rank),
                        "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(nprocs),
+                       "LOCAL_WORLD_SIZE": str(nprocs),
+                       "GROUP_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(master_port),
                        "OMP_NUM_THREADS": "1",
                        _progress.DIR_ENV: workdir})
     guard.listen_on_loopback()

@@ -50,10 +50,11 @@ class Option:
     optional: bool = False  # None is allowed (meaning: the runner picks)
     negate: bool = False  # a bool that defaults to True, switched off by --no-NAME
     metavar: str | None = None
+    spelled: str | None = None  # the flag's own spelling, when not the keyword's (--nprocs: nproc)
 
     @property
     def flag(self) -> str:
-        return ("--no-" if self.negate else "--") + self.name.replace("_", "-")
+        return ("--no-" if self.negate else "--") + (self.spelled or self.name.replace("_", "-"))
 
     def allowed(self) -> str:
         """What the option accepts, in words."""
@@ -112,7 +113,9 @@ def _number(x: float) -> str:
 
 # Every runner takes these; the strategy's own options come after them.
 COMMON = (
-    Option("nproc", int, 4, "number of processes (ranks)", low=1),
+    # --nprocs, not --nproc: torchrun reads any prefix of its own options, even after -m, and
+    # "--nproc" is one of --nproc-per-node's (under torchrun the world is WORLD_SIZE's)
+    Option("nproc", int, 4, "number of processes (ranks)", low=1, spelled="nprocs"),
     Option("steps", int, 4, "training steps", low=1, high=MAX_STEPS),
     Option("model", str, "tiny", "model preset", choices=("tiny", "small")),
     Option("batch_size", int, 8, "global batch size (sequences)", low=1),

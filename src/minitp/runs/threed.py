@@ -11,7 +11,6 @@ import torch
 
 from minitp import checkpoint, cost, grid, layout
 from minitp import trace as _trace
-from minitp.cost.context import check_ulysses_heads
 from minitp.cost.experts import idle_experts
 from minitp.ep import full_state as ep_full_state
 from minitp.launcher import launch
@@ -109,14 +108,12 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         ranks, each replica's rows split over cp along the sequence, the model state averaged (DDP)
         or sharded (FSDP) over all dp·cp of them.
     attention: how attention crosses the cp group when cp > 1: "ring", "ulysses" (all-to-alls of
-    each
-        tp rank's heads: cp divides n_heads/tp and n_kv_heads/tp) or "allgather"; its bytes are
-        checked against ``cost.cp3d_step_bytes(attention=)``.
+        each tp rank's heads: cp divides n_heads/tp and n_kv_heads/tp) or "allgather"; its bytes
+        are checked against ``cost.cp3d_step_bytes(attention=)``.
     schedule: "gpipe", "1f1b", "zb", or "interleaved" with ``virtual_stages`` chunks per rank
         (default 2; DDP only).
     ep: expert parallel (``minitp.ep``): the MoE variant of ``model`` (``experts`` experts per
-    block,
-        top-2, capacity factor 1.25), each run of ep consecutive dp ranks sharing one set of
+        block, top-2, capacity factor 1.25), each run of ep consecutive dp ranks sharing one set of
         experts, dp/ep copies of each expert; the rest data parallel over dp (tp = 1, DDP; with pp,
         each stage's experts over its stage's ep group, every stage adding its layers' auxiliary
         loss itself).
@@ -131,24 +128,17 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         raise ValueError(f"{names} = {sizes} = {dp * cp * pp * tp} but the world has {nproc} ranks "
                          f"(nproc={nproc}; leave it out and it is {names})")
     cfg = get_config(model)
-    grid.check_3d_layout(cfg, dp * cp, pp, tp, nproc)
     layout.check_batch(batch_size, dp)
-    if cp > 1:
-        layout.cp_chunks(seq_len, cp, 0)  # refuses a sequence that does not split into 2·cp chunks
-        if attention == "ulysses":  # each tp rank's heads split over cp
-            check_ulysses_heads(cfg, cp, tp)
-    data_parallel = "fsdp" if fsdp else "ddp"
     v = virtual_stages or (2 if schedule == "interleaved" else 1)
-    grid.check_composition(dp, pp, tp, cp, ep, data_parallel, schedule, v)
+    dims = grid.ParallelDims(dp, pp, tp, cp, ep, "fsdp" if fsdp else "ddp", zero, schedule, v,
+                             attention)
     moe = None
     if ep > 1:
         layout.check_divisible("experts", experts, "ep", ep,
                                ": every rank holds experts/ep of them")
         moe = moe_config(cfg, n_experts=experts)
-    zero = grid.check_zero(data_parallel, zero, pp)
-    if v > 1:
-        # refuses more pieces than blocks, here in the parent
-        layout.stage_blocks(cfg.n_layers, pp * v)
+    dims.check_model(moe or cfg, nproc, seq_len)
+    data_parallel, zero = dims.data_parallel, dims.zero
     if microbatches is None:
         microbatches = batch_size // dp if pp > 1 else 1
     if pp > 1:

@@ -137,7 +137,7 @@ def _train(s: Settings, corpus, max_restarts: int, timeout: float, echo: bool, k
     # its own stderr goes to a file the launcher relays at the end)
     on_terminal = echo and sys.stderr.isatty() and not under_torchrun()
     fd = os.dup(sys.stderr.fileno()) if on_terminal else None
-    if echo:
+    if echo and not under_torchrun_rank(1):  # under torchrun, rank 0 speaks for the run
         print(f"minitp train: {s.model} ({s.config.num_params() / 1e6:.2f} M parameters) on "
               f"{s.world} process{'es' * (s.world > 1)} (dp {s.dp}, tp {s.tp}, pp {s.pp}, "
               f"cp {s.cp}, ep {s.ep}, {s.data_parallel}); {corpus.describe()}", flush=True)

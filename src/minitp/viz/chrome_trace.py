@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import replace
 
 from minitp.layout import AXES
 from minitp.trace import TAGS, Event
@@ -111,6 +112,20 @@ def _flows(placed: list[tuple[Event, str]], tid: dict[str, int], t0: float) -> l
     return out
 
 
+def _clock_shifts(per_rank_events) -> dict[int, float]:
+    """{rank: seconds to add to its perf_counter times}: nothing when every rank ran on one machine
+    (they share perf_counter's clock), else each machine's offset to the wall clock
+    (``Trace.clock_offset``), so machines line up as their clocks agree."""
+    traces = [t for t in per_rank_events if hasattr(t, "clock_offset")]
+    if len({t.host for t in traces}) < 2:
+        return {}
+    by_host: dict[str, float] = {}
+    for t in traces:  # one offset per machine: its ranks keep their order to the microsecond
+        by_host.setdefault(t.host, t.clock_offset)
+    first = min(by_host.values())
+    return {t.rank: by_host[t.host] - first for t in traces}
+
+
 def chrome_trace(per_rank_events, per_rank_spans=None, coords: list[dict] | None = None) -> dict:
     """The trace-event JSON object of a run (pure: nothing is written).
 
@@ -119,8 +134,13 @@ def chrome_trace(per_rank_events, per_rank_spans=None, coords: list[dict] | None
     coords: each rank's place, ``{"dp": 1, "tp": 1}``, shown in its process name
     (``report_coords``).
     """
-    events = [e for rank in per_rank_events for e in getattr(rank, "events", rank)]
-    events += [e for rank in per_rank_spans or () for e in getattr(rank, "events", rank)]
+    events = [e for rank in (*per_rank_events, *(per_rank_spans or ()))
+              for e in getattr(rank, "events", rank)]
+    shift = _clock_shifts(per_rank_events)
+    if shift:  # ranks on several machines: each machine's clock onto the wall clock
+        events = [replace(e, start=e.start + shift.get(e.rank, 0.0),
+                          end=e.end + shift.get(e.rank, 0.0))
+                  for e in events]
     events.sort(key=lambda e: (e.rank, e.start, -e.end))  # an enclosing slice before what it holds
     t0 = min((e.start for e in events), default=0.0)
     by_track = defaultdict(list)
