@@ -38,7 +38,8 @@ def _minitp_flags() -> set[str]:
     """Every long option of every minitp command, as its parser holds them."""
     flags = set()
     for argv in (["run", "ddp", "--help"], ["run", "3d", "--help"], ["plan", "--help"],
-                 ["train", "--help"], ["sample", "--help"], ["calibrate", "--help"]):
+                 ["train", "--help"], ["sample", "--help"], ["calibrate", "--help"],
+                 ["export", "--help"]):
         out = subprocess.run([sys.executable, "-m", "minitp", *argv], capture_output=True,
                              text=True, check=True).stdout
         flags |= set(re.findall(r"(?<![\w-])--[a-z][\w-]*", out))

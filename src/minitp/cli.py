@@ -16,6 +16,7 @@
     minitp train --dp 2 --tp 2 --steps 300 --out runs/a [--resume] [--max-restarts N]
                                                   (real text, any layout)
     minitp sample --checkpoint runs/a/checkpoint --prompt "def "  (text the trained model writes)
+    minitp export --checkpoint runs/a/checkpoint --out model.safetensors  (one file, whole tensors)
 
 trains the tiny model with a strategy on N local processes, checks it against the one-process
 reference, the traced bytes and the memory formulas, prints a short table and exits non-zero if
@@ -383,6 +384,28 @@ SAMPLE_OPTIONS = (
 )
 
 
+def _export(args: argparse.Namespace) -> int:
+    from minitp.runs import exporting
+
+    if args.checkpoint is None or args.out is None:
+        raise ValueError("--checkpoint DIR and --out FILE are required: minitp export --checkpoint "
+                         "runs/a/checkpoint --out model.safetensors")
+    exporting.check_out(args.out, args.overwrite)
+    done = exporting.export(args.checkpoint, args.out)
+    print(f"minitp export: step {done['step']}, {done['tensors']} tensors, "
+          f"{done['bytes'] / 2**20:.1f} MiB written to {args.out} (safetensors; "
+          "minitp.runs.exporting.load_exported gives the plain model)")
+    return 0
+
+
+EXPORT_OPTIONS = (
+    Option("checkpoint", str, None, "a minitp train checkpoint folder (DIR/checkpoint)",
+           metavar="DIR"),
+    Option("out", str, None, "the file to write, e.g. model.safetensors", metavar="FILE"),
+    Option("overwrite", bool, False, "replace --out if it exists"),
+)
+
+
 class _Usage(Exception):
     """A command line argparse cannot read, as its one line: ``minitp run 3d: error: argument --dp:
     ...``."""
@@ -489,6 +512,12 @@ def _main(argv: list[str] | None) -> int:
     for option in SAMPLE_OPTIONS:
         _add_option(sa, option)
     sa.set_defaults(func=_sample, options=SAMPLE_OPTIONS)
+
+    ex = sub.add_parser("export", help="a minitp train checkpoint (any layout) as one safetensors "
+                                       "file a plain model loads")
+    for option in EXPORT_OPTIONS:
+        _add_option(ex, option)
+    ex.set_defaults(func=_export, options=EXPORT_OPTIONS)
 
     try:
         args, unknown = parser.parse_known_args(argv)
