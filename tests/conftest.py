@@ -38,7 +38,7 @@ KINDS = {
     # formulas, the models, the data, layout and plan checks, the source's house rules
     "unit": (
         "test_activations_llama.py", "test_cost.py", "test_cost_structure.py", "test_data.py",
-        "test_layout.py", "test_models.py", "test_parallel_dims.py", "test_plan_cp.py", "test_plan_ep.py", "test_structure.py",
+        "test_gpt2.py", "test_layout.py", "test_models.py", "test_parallel_dims.py", "test_plan_cp.py", "test_plan_ep.py", "test_structure.py",
         "test_test_kinds.py", "test_trace.py", "test_units.py", "test_viz_imports.py",
     ),
     # the stored chapters read from notebooks/, in one process: the numbers their prose states, stored

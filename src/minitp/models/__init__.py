@@ -1,6 +1,7 @@
 """Plain models, with no parallel code inside: the dense LLaMA-style model here; the mixture of
-experts in ``minitp.models.moe``; synthetic data, the optimizer and the one-process reference in
-``minitp.models.train``."""
+experts in ``minitp.models.moe``; the GPT-2-style family (biases, LayerNorm, learned positions, a
+tied output layer) in ``minitp.models.gpt2``; synthetic data, the optimizer and the one-process
+reference in ``minitp.models.train``."""
 
 from minitp.models.llama import (  # noqa: F401  (re-exported: the dense model)
     LLAMA3_8B,

@@ -241,8 +241,8 @@ class Transformer(nn.Module):
         if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
-            cos, sin = self.rope_cos[start_pos:start_pos
-                                     + S], self.rope_sin[start_pos:start_pos + S]
+            cos = self.rope_cos[start_pos:start_pos + S]
+            sin = self.rope_sin[start_pos:start_pos + S]
         for name, block in self.layers.named_children():  # "0", "1", ...; a stage's: "2", "3"
             h = block(h, cos, sin, None if caches is None else caches[int(name)], attend, recompute)
         return h
