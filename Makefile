@@ -39,11 +39,14 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # then every chapter re-run by nbval against its stored outputs under PyTorch's plain kernels
 # (ATEN_CPU_CAPABILITY=default: no AVX2, no AVX-512). They add in another order than this CPU's, as
 # another learner's CPU does, so a stored output that prints float noise fails here, not on a laptop.
-# Both run; the target fails if either did.
+# Both run; the target fails if either did. Each runs in two pytest workers, a file per worker at a
+# time (pytest-xdist): alone, a run keeps one of two cores busy, its ranks mostly starting or
+# waiting (2-core machine: tests 14:56 -> 9:44, notebooks 4:41 -> 3:19). `make test XDIST=` runs one.
+XDIST ?= -n 2 --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests; tests=$$?; \
-	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q notebooks $(NBVAL); notebooks=$$?; \
-	test $$tests -eq 0 -a $$notebooks -eq 0
+	$(BIN)/python -m pytest -q $(XDIST) tests; tests=$$?; \
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q $(XDIST) notebooks $(NBVAL); \
+	notebooks=$$?; test $$tests -eq 0 -a $$notebooks -eq 0
 
 # The kinds of tests/conftest.py's KINDS that start no rank (a test of them that does fails): unit
 # and chapters. Not the oracles, the exercises (their checkers run answers on 2-4 ranks and wait out the
