@@ -345,3 +345,21 @@ def test_a_planted_line_over_100_characters_in_src_is_found():
     done = _ruff("check", "--select", "E501", "--stdin-filename", "src/minitp/planted.py", "-",
                  stdin=line.replace("a", "", 1))
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# -- rooms a reader can take in: no file over 500 lines outside exercises/ ----------------------------
+def _files_over(root: Path, limit: int = 500) -> list[str]:
+    return sorted(f"{p.relative_to(root).as_posix()}: {n}" for p in root.rglob("*.py")
+                  if "exercises" not in p.relative_to(root).parts
+                  and (n := len(p.read_text().splitlines())) > limit)
+
+
+def test_no_file_of_src_minitp_is_over_500_lines_outside_the_exercises():
+    assert _files_over(SRC / "minitp") == []
+
+
+def test_a_planted_long_file_is_found(tmp_path):
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / "ch99.py").write_text("x = 1\n" * 900)  # the checkers may run long
+    (tmp_path / "room.py").write_text("x = 1\n" * 501)
+    assert _files_over(tmp_path) == ["room.py: 501"]

@@ -28,13 +28,13 @@ Memory is counted as the bytes a rank **holds between steps**, right after the o
 with gradients still held: parameters, gradients and optimizer state (AdamW: two fp32 moments per
 parameter, ``exp_avg`` and ``exp_avg_sq``, plus one 4-byte ``step`` counter per parameter tensor).
 
-The formulas live in six modules, each importing only those before it (at the top of the file), so
-they read in this order: ``strategies`` (DDP, FSDP, tensor and pipeline parallel, each alone)
+The formulas live in seven modules, each importing only those before it (at the top of the file),
+so they read in this order: ``strategies`` (DDP, FSDP, tensor and pipeline parallel, each alone)
 → ``activations`` (what autograd keeps) → ``threed`` (a rank of the dp × pp × tp mesh) → ``context``
-(ring attention; the dp·cp·pp·tp mesh) → ``experts`` (MoE and the all-to-alls) → ``time`` (FLOPs and
-messages in seconds). Nothing here reads a file or the environment: this machine's calibration is
-read by ``minitp.measure.calibrate`` and comes in as a ``Device``. Every public name is re-exported
-here.
+(ring attention; the dp·cp·pp·tp mesh) → ``experts`` (MoE and the all-to-alls) → ``devices`` (the
+hardware sheet) → ``time`` (FLOPs and messages in seconds). Nothing here reads a file or the
+environment: this machine's calibration is read by ``minitp.measure.calibrate`` and comes in as a
+``Device``. Every public name is re-exported here.
 """
 
 from __future__ import annotations
