@@ -157,7 +157,9 @@ def test_two_agents_that_lose_a_rank_restart_into_one_round_with_no_failed_round
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     starts = [r["step"] for r in lines if r.get("event") == "start"]
     assert starts == [0, 2] and lines[-1]["step"] == 6  # resumed from the step-2 checkpoint
-    # one failure in all, the planted kill: no round failed on joining after it
+    # the planted kill fails the first round (the killed rank, and its peer when that one notices
+    # the lost connection before its agent stops it); no round failed on joining after it: a rank
+    # that read the dead round's addresses would fail in Gloo's connectFullMesh
     failed = sum(log.count("failed (exitcode") for log in logs)
-    assert failed == 1, "\n=====\n".join(log[-4000:] for log in logs)
+    assert 1 <= failed <= 2, "\n=====\n".join(log[-4000:] for log in logs)
     assert not any("connectFullMesh" in log or "could not join" in log for log in logs)
