@@ -85,7 +85,7 @@ def _names(path: Path) -> set[str]:
 def test_the_cli_settings_the_3d_runner_and_parallel3d_ask_it_and_no_one_else_holds_the_rules():
     for asker in ("trainer.py", "runs/threed.py", "parallel3d.py"):
         assert "ParallelDims" in _names(SRC / asker), asker
-    assert "dims" in _names(SRC / "cli.py")  # Settings.dims
+    assert "dims" in _names(SRC / "cli" / "train.py")  # Settings.dims
     # the rules' sentences are written in grid.py and nowhere else
     sentences = ["composes with dp (DDP) and pp", "is for schedule='interleaved'",
                  "schedule='interleaved' needs virtual_stages", "needs pp > 1 and DDP", "schedule='zb' with fsdp",
