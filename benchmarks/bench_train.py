@@ -48,7 +48,7 @@ def _worker(rounds: int, steps: int, warmup: int) -> dict:
         par.optimizer.zero_grad(set_to_none=True)
         loss = par.forward_backward(*sampler.batch(i))
         trainer.clip_grad_norm_(par, s.clip)
-        trainer._world_mean(loss, par.device)
+        trainer.world_mean(loss, par.device)
 
     def minitp_optimize(i: int) -> None:  # the rest of trainer.train_step
         for group in par.optimizer.param_groups:
@@ -65,7 +65,7 @@ def _worker(rounds: int, steps: int, warmup: int) -> dict:
         loss = loss_fn(ddp(tokens[rows]), targets[rows])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
-        trainer._world_mean(loss.item(), torch.device("cpu"))
+        trainer.world_mean(loss.item(), torch.device("cpu"))
 
     def torch_optimize(i: int) -> None:
         for group in optimizer.param_groups:

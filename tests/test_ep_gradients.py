@@ -14,6 +14,7 @@ from minitp.models import TINY, get_config
 from minitp.models.moe import build_moe_model, moe_config, moe_layers, moe_loss
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
 from minitp.runs.expert_parallel import moe_reference
+from minitp.trainer import train_step
 
 # 8 experts, top-1, one row of 4 tokens per rank of dp 4: routing sparse enough that, from seed 1, some
 # experts are used in the first step and by no rank in the second, and some by no rank in either
@@ -90,7 +91,7 @@ def _mesh_steps(cfg, train):
     experts = {n: p for n, p in par.module.named_parameters() if ".experts." in n}
     after = []
     for tokens, targets in synthetic_batches(cfg, train):
-        par.train_step(tokens, targets)
+        train_step(par, tokens, targets)
         after.append(_snapshot(experts, par.optimizer))
     kept = [[layer.history[s].tolist() for layer in moe_layers(par.module)] for s in range(train.steps)]
     return {"after": after, "kept": kept}

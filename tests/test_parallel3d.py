@@ -11,6 +11,7 @@ from minitp import cli, cost, runs
 from minitp.launcher import launch
 from minitp.models import get_config
 from minitp.models.train import TrainConfig, train_reference
+from minitp.trainer import train_step
 
 # -- 3D training against the one-process reference ---------------------------------------------------------
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 4, 1)]  # dp × tp × pp
@@ -79,7 +80,7 @@ def _fsdp_pipeline_on_an_explicit_device(train):
     cfg, device = get_config("tiny"), torch.device("cpu")
     par = Parallel3D(build_model(cfg, seed=train.seed), Mesh(2, 2, 1), "fsdp", microbatches=2, lr=train.lr,
                      device=device)
-    losses = [par.train_step(tokens, targets) for tokens, targets in synthetic_batches(cfg, train)]
+    losses = [train_step(par, tokens, targets).loss for tokens, targets in synthetic_batches(cfg, train)]
     stage = par.pipeline.spec
     shards = par.local_shards()
     return {"rank": dist.get_rank(), "losses": losses, "shards": shards, "device": par.device,

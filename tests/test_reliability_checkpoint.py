@@ -23,6 +23,7 @@ from minitp import checkpoint
 from minitp.checkpoint.index import digest
 from minitp.launcher import RankError, launch
 from minitp.models import build_model, get_config
+from minitp.trainer import train_step
 
 TINY = get_config("tiny")
 KILLS = 20
@@ -109,7 +110,7 @@ def _save(path: str, changes: dict, extra: bool = False):
     from minitp.parallel3d import Parallel3D
 
     par = Parallel3D(_model(changes, extra), Mesh(1, 1, 1))
-    par.train_step(*[torch.zeros(2, 4, dtype=torch.long)] * 2)  # AdamW's state exists: step 1
+    train_step(par, *[torch.zeros(2, 4, dtype=torch.long)] * 2)  # AdamW's state exists: step 1
     checkpoint.save(par, path, step=1)
 
 

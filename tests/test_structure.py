@@ -217,7 +217,7 @@ PARENT_WINGS = ("launcher", "runs", "viz", "cli")  # launches, restarts, signals
 
 
 def parents_work_in_the_trainer(graph: dict[str, set[str]]) -> list[str]:
-    """What importing ``minitp.trainer`` (the step and each rank's loop) runs from the parent's wings,
+    """What importing ``minitp.trainer`` (what a step is) runs from the parent's wings,
     directly or through another module: the restarts, signals, figure, auto-layout and sampling live in
     runs/, viz/ and cli, which may import the trainer, never the other way."""
     return sorted(name for name in reached(graph, "minitp.trainer") if wing(name) in PARENT_WINGS)
@@ -234,6 +234,29 @@ def test_a_planted_runner_in_the_trainer_is_found():
     ))
     found = parents_work_in_the_trainer(graph)
     assert "minitp.runs.common" in found and "minitp.viz.train" in found
+
+
+# the rank's loop around the step (signals, the log, the progress bar) is runs/train_rank's
+RANK_LOOP_TOOLS = {"signal", "json", "tqdm", "time"}
+
+
+def rank_loop_in_the_trainer(trees: dict[str, ast.Module]) -> list[str]:
+    """The loop's tools ``minitp.trainer`` imports: catching Ctrl-C, writing the log, the bar."""
+    tree = trees["minitp.trainer"]
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module}
+    return sorted({name.split(".")[0] for name in names} & RANK_LOOP_TOOLS)
+
+
+def test_the_trainer_holds_the_step_not_the_ranks_loop():
+    assert rank_loop_in_the_trainer(modules()) == []
+
+
+def test_a_planted_signal_handler_in_the_trainer_is_found():
+    found = rank_loop_in_the_trainer(planted(trainer="import signal\nfrom tqdm import tqdm"))
+    assert found == ["signal", "tqdm"]
 
 
 # -- every process group of the trainer is made by the mesh -------------------------------------------------

@@ -20,6 +20,7 @@ from minitp import cli, trainer
 from minitp.data import COURSE_CORPUS
 from minitp.parallel3d import unshard_3d
 from minitp.runs import sampling, training
+from minitp.runs.train_log import read_log
 
 BASE = trainer.Settings(steps=3, batch_size=8, seq_len=32, corpus=COURSE_CORPUS, eval_every=0, warmup=1, clip=0.5)
 SMALL_RUN = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--max-files", "30", "--eval-every", "3",
@@ -107,7 +108,7 @@ def test_lr_warms_up_then_decays_to_its_floor():
 
 
 def _log(out) -> list[dict]:
-    return trainer.read_log(os.path.join(out, "log.jsonl"))
+    return read_log(os.path.join(out, "log.jsonl"))
 
 
 def _uninterrupted(tmp_path, extra=()) -> list[dict]:

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from minitp import cli, trainer
+from minitp import cli
 from minitp.data import COURSE_CORPUS
 from minitp.runs import training
+from minitp.runs.train_log import read_log
 
 RUN = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--corpus", COURSE_CORPUS, "--eval-every", "0",
        "--save-every", "2", "--warmup", "1"]
@@ -37,7 +38,7 @@ def _files(folder) -> dict[str, bytes]:
 
 
 def _log(out) -> list[dict]:
-    return trainer.read_log(os.path.join(out, "log.jsonl"))
+    return read_log(os.path.join(out, "log.jsonl"))
 
 
 def test_a_finished_run_is_not_replaced_without_resume_or_overwrite(tmp_path, capsys):

@@ -17,6 +17,7 @@ from minitp.launcher import LaunchError
 from minitp.models import loss_fn
 from minitp.models.moe import aux_loss
 from minitp.runs import training
+from minitp.runs.train_log import read_log
 
 MOE = trainer.Settings(model="byte-moe", steps=3, batch_size=8, seq_len=32, corpus=COURSE_CORPUS, eval_every=0,
                        eval_batches=2, warmup=1, clip=0.5)
@@ -46,7 +47,7 @@ def test_moe_loss_equals_one_process_on_every_layout(layout, one_process, tmp_pa
     for r in results:  # every rank logs the same: cross-entropy + coef · aux, as one process
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
-    log = trainer.read_log(os.path.join(out, "log.jsonl"))
+    log = read_log(os.path.join(out, "log.jsonl"))
     assert [r["loss"] for r in log if "loss" in r] == pytest.approx(ref_losses, abs=1e-5)
     (val,) = [r["val_loss"] for r in log if "val_loss" in r]  # after the last step
     assert ref_aux > 0.01  # large enough that the check below tells the two apart
@@ -61,7 +62,7 @@ def test_a_moe_run_resumed_from_one_stage_onto_a_pipeline_continues_its_curve(tm
     with pytest.raises(LaunchError, match="SIGKILL"):  # the one rank dies at step 3: the checkpoint of step 2 is left
         training.train(replace(s, kill_at=3), echo=False)
     training.train(replace(s, pp=2, microbatches=2, resume=True), echo=False)
-    log = trainer.read_log(os.path.join(s.out, "log.jsonl"))
+    log = read_log(os.path.join(s.out, "log.jsonl"))
     assert [(r["step"], r["world"]) for r in log if r.get("event") == "start"] == [(0, 1), (2, 2)]
     steps = [r for r in log if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]

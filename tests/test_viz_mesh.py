@@ -7,6 +7,7 @@ import minitp
 from minitp import cost, trace
 from minitp.models import TINY, build_model
 from minitp.models.train import TrainConfig, synthetic_batches
+from minitp.trainer import train_step
 from minitp.viz import mesh as viz_mesh
 
 
@@ -22,7 +23,7 @@ def _one_step():
     par = Parallel3D(build_model(TINY, seed=0), mesh, microbatches=2)
     tokens, targets = synthetic_batches(TINY, TrainConfig(steps=1, batch_size=4, seq_len=8))[0]
     trace.current().clear()  # the step alone, without DDP's start-up broadcast
-    par.train_step(tokens, targets)
+    train_step(par, tokens, targets)
     c = mesh.coords
     return {"rank": mesh.rank, "coords": [c.dp, c.pp, c.tp], "groups": mesh.group_ranks,
             "shards": par.local_shards()}

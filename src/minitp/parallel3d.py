@@ -172,7 +172,7 @@ class Parallel3D:
         averaged over dp. Returns the loss of this replica's share (None off the last stage). A
         MoE's loss is the cross-entropy plus ``aux_loss_coef`` · aux: all of it on one stage, but
         under a pipeline the cross-entropy only, each stage's part of aux left in ``aux_per_step``
-        (adding them up takes a message over pp: ``trainer._world_mean`` does it, or the 3D run's
+        (adding them up takes a message over pp: ``trainer.world_mean`` does it, or the 3D run's
         parent)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         # this replica's rows, this rank's positions: (B, S) → (B/dp, S/cp)
@@ -207,16 +207,6 @@ class Parallel3D:
             self._aux_parts.append(layer.aux_loss.detach() / microbatches)
             return _AuxLossGrad.apply(out, layer.aux_loss, coef / microbatches)
         return hook
-
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
-        # None, as one process's zero_grad(): a parameter this step leaves unused (an expert no
-        # token reached) keeps no gradient, so AdamW skips it rather than moving it by momentum and
-        # decay
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward(tokens, targets)
-        with _trace.span("optimizer"):
-            self.optimizer.step()
-        return loss
 
     def held_bytes(self) -> dict[str, int]:
         return self.fsdp.held_bytes() if self.fsdp else held_bytes(self.module.parameters(),

@@ -1,7 +1,9 @@
-"""Deterministic synthetic data and the one-process reference every strategy is checked against."""
+"""Deterministic synthetic data, the optimizer, and the one-process run every strategy is checked
+against (``train_one_process``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,15 +60,35 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
                              foreach=False)
 
 
-def train_reference(cfg: ModelConfig = TINY, train: TrainConfig = TrainConfig()):
-    """Train on one process with the full batch. Returns (losses per step, trained model)."""
-    model = build_model(cfg, seed=train.seed)
-    optimizer = make_optimizer(model.parameters(), train.lr)
-    losses = []
-    for tokens, targets in synthetic_batches(cfg, train):
-        loss = loss_fn(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
+def train_one_process(model: torch.nn.Module, batches, lr: float, loss=loss_fn, lr_at=None,
+                      clip: float | None = None) -> tuple[list[float], list[float]]:
+    """The one-process run every layout is checked against, and the only one: ``model`` trained on
+    the whole of each (inputs, targets) batch by ``make_optimizer``'s AdamW. ``loss(output,
+    targets)``; ``lr_at(step)``: the learning rate of each step (None: ``lr`` throughout);
+    ``clip``: gradients clipped by their global norm (``torch.nn.utils.clip_grad_norm_``; 0: the
+    norm measured, nothing scaled; None: not measured). Gradients are set to None before each step,
+    so a parameter a step does not reach (a MoE's idle expert) keeps none and AdamW leaves it
+    alone. Returns (losses, norms before clipping)."""
+    optimizer = make_optimizer(model.parameters(), lr)
+    losses, norms = [], []
+    for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        value = loss(model(inputs), targets)
+        value.backward()
+        if clip is not None:
+            max_norm = clip if clip > 0 else math.inf  # inf: the norm, measured, nothing scaled
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        if lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+        optimizer.step()
+        losses.append(value.item())
+    return losses, norms
+
+
+def train_reference(cfg: ModelConfig = TINY, train: TrainConfig = TrainConfig()):
+    """The tiny model trained on one process with the full synthetic batch. Returns (losses per
+    step, trained model)."""
+    model = build_model(cfg, seed=train.seed)
+    losses, _ = train_one_process(model, synthetic_batches(cfg, train), train.lr)
     return losses, model

@@ -9,7 +9,7 @@ from minitp.launcher import launch
 from minitp.measure.memory import held_bytes
 from minitp.models import get_config
 from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers, moe_loss
-from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
+from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_one_process
 from minitp.runs.common import build_report, check_run, state_of, train_steps, worker_summary
 from minitp.runs.registry import MAX_EXPERTS, Option, Strategy, register
 from minitp.runs.report import Report
@@ -19,19 +19,19 @@ def moe_train_steps(model, step_model, batches, shard,
                     optimizer) -> tuple[list[float], list[float]]:
     """``runs.common.train_steps`` as one process trains a MoE, with ``zero_grad()``'s default: the
     gradients set to None before each step, so an expert no token reached in a step has none and
-    AdamW leaves it alone (zeroed in place, its momentum and weight decay would move it). The
-    reference and the ranks run this same loop. Returns (local losses, step times)."""
+    AdamW leaves it alone (zeroed in place, its momentum and weight decay would move it), as the
+    one-process reference (``train_one_process``) does. Returns (local losses, step times)."""
     return train_steps(model, step_model, batches, shard, optimizer, loss=moe_loss(model),
                        set_to_none=True)
 
 
 def moe_reference(cfg: MoEConfig, train: TrainConfig) -> tuple[list[float], dict, dict]:
-    """The same MoE model trained on one process with the whole batch, by the same loop as the ranks
-    (``moe_train_steps``): (losses, final parameters, {"routed", "kept"}: per step and layer, (E,)
-    assignments per expert)."""
+    """The same MoE model trained on one process with the whole batch (``train_one_process``):
+    (losses, final parameters, {"routed", "kept"}: per step and layer, (E,) assignments per
+    expert)."""
     model = build_moe_model(cfg, seed=train.seed)
-    optimizer = make_optimizer(model.parameters(), train.lr)
-    losses, _ = moe_train_steps(model, model, synthetic_batches(cfg, train), lambda t: t, optimizer)
+    losses, _ = train_one_process(model, synthetic_batches(cfg, train), train.lr,
+                                  loss=moe_loss(model))
     layers = moe_layers(model)
     load = {kind: [[getattr(layer, kind)[s].tolist() for layer in layers]
                    for s in range(train.steps)]

@@ -1,7 +1,8 @@
 """The one-process runs every strategy is held to, and how far apart two sets of parameters are.
 
 * ``full_batch``: the whole model trained on one process with the whole global batch, the oracle
-  of every fp32 run (``minitp.models.train.train_reference`` does the training).
+  of every fp32 run (``minitp.models.train.train_one_process`` does the training, here and for
+  ``swiglu``).
 * ``microbatched``: one process with the global batch cut into as many slices as there are
   data-parallel ranks, for bf16 runs, whose recipe rounds the averaged gradient.
 * ``swiglu``: the plain SwiGLU MLP alone, the oracle of the tensor-parallel MLP run.
@@ -12,7 +13,13 @@ from __future__ import annotations
 import torch
 
 from minitp.models import build_model, loss_fn
-from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches, train_reference
+from minitp.models.train import (
+    TrainConfig,
+    make_optimizer,
+    synthetic_batches,
+    train_one_process,
+    train_reference,
+)
 
 
 def max_abs_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -78,12 +85,6 @@ def swiglu_batches(cfg, train: TrainConfig) -> list[tuple[torch.Tensor, torch.Te
 def swiglu(cfg, train: TrainConfig) -> tuple[list[float], dict]:
     """The plain SwiGLU MLP (the model's first block's) trained on one process: (losses, state)."""
     mlp = build_model(cfg, seed=train.seed).layers[0].feed_forward
-    optimizer = make_optimizer(mlp.parameters(), train.lr)
-    losses = []
-    for x, y in swiglu_batches(cfg, train):
-        loss = torch.nn.functional.mse_loss(mlp(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses, _ = train_one_process(mlp, swiglu_batches(cfg, train), train.lr,
+                                  loss=torch.nn.functional.mse_loss)
     return losses, {k: v.detach() for k, v in mlp.state_dict().items()}

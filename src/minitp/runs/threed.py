@@ -26,15 +26,14 @@ from minitp.runs.expert_parallel import moe_reference
 from minitp.runs.references import full_batch
 from minitp.runs.registry import COMMON, MAX_EXPERTS, Option, Strategy, register
 from minitp.runs.report import Report
+from minitp.trainer import build, train_step
 
 
 def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, start_step: int,
                resume_from: str | None, save_to: str | None) -> dict:
     cfg = options.pop("moe", None) or get_config(model_name)
     mesh = Mesh(shape["dp"], shape["pp"], shape["tp"], cp=shape["cp"], ep=shape["ep"])
-    built = build_moe_model(cfg, seed=train.seed) if isinstance(
-        cfg, MoEConfig) else build_model(cfg, seed=train.seed)
-    par = Parallel3D(built, mesh, lr=train.lr, **options)
+    par = Parallel3D(build(cfg, train.seed), mesh, lr=train.lr, **options)
     if resume_from:
         checkpoint.load(par, resume_from, expected_step=start_step)
     losses, times, auxes = [], [], []
@@ -42,7 +41,7 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
     first = len(events)
     for tokens, targets in synthetic_batches(cfg, train)[start_step:]:
         t0 = time.perf_counter()
-        loss = par.train_step(tokens, targets)
+        loss = train_step(par, tokens, targets).loss
         times.append(time.perf_counter() - t0)
         auxes.append(par.aux_per_step)  # a MoE in a pipeline: this stage's auxiliary loss
         if loss is not None:  # only the last stage computes the loss

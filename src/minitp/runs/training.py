@@ -1,4 +1,4 @@
-"""``minitp train``'s parent: what runs around the ranks' loop (``minitp.trainer.train_worker``).
+"""``minitp train``'s parent: what runs around the ranks' loop (``minitp.runs.train_rank``).
 
 - **checks** before any process starts: the settings, the memory the ranks will hold, and ``out``
   (a folder minitp may write; a run there continued or replaced only when asked; the checkpoint to
@@ -30,7 +30,9 @@ import torch
 from minitp import checkpoint
 from minitp.data import load_corpus
 from minitp.runs.common import check_memory
-from minitp.trainer import Settings, build, kill_mark, read_log, train_worker
+from minitp.runs.train_log import read_log
+from minitp.runs.train_rank import kill_mark, train_worker
+from minitp.trainer import Settings, build
 
 OUT_FILES = ("log.jsonl", "loss.png", "checkpoint")  # what a run writes in ``out``: a run is there
 LOCK = ".minitp-lock"  # in ``out``: held by the run that writes there

@@ -47,7 +47,7 @@ def loss_figure(records: list[dict], title: str | None = None, width: float = 8.
 
 
 def save_loss_figure(records: list[dict], path: str) -> None:
-    """``loss_figure`` of a run's records (``minitp.trainer.read_log``) saved as a PNG: the
+    """``loss_figure`` of a run's records (``minitp.runs.train_log.read_log``) saved as a PNG: the
     ``out/loss.png`` of ``minitp train``, drawn with no display (matplotlib's Agg backend)."""
     import matplotlib
 
