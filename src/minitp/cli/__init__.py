@@ -17,6 +17,7 @@
                                                   (real text, any layout)
     minitp sample --checkpoint runs/a/checkpoint --prompt "def "  (text the trained model writes)
     minitp export --checkpoint runs/a/checkpoint --out model.safetensors  (one file, whole tensors)
+    minitp grade student/project.py [--only dp,tp,pp,3-D,reshard,restart]  (the final project)
 
 trains the tiny model with a strategy on N local processes, checks it against the one-process
 reference, the traced bytes and the memory formulas, prints a short table and exits non-zero if
@@ -34,7 +35,7 @@ import signal
 import sys
 
 from minitp import runs  # noqa: F401  (registers every strategy)
-from minitp.cli import plan, train
+from minitp.cli import grade, plan, train
 from minitp.cli import run as run_command
 from minitp.launcher import LaunchError, RankError
 from minitp.runs.registry import STRATEGIES, Option, OptionError
@@ -180,6 +181,8 @@ def _main(argv: list[str] | None) -> int:
     for option in train.EXPORT_OPTIONS:
         _add_option(ex, option)
     ex.set_defaults(func=train.export, options=train.EXPORT_OPTIONS)
+
+    grade.add_parser(sub)
 
     try:
         args, unknown = parser.parse_known_args(argv)

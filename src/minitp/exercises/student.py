@@ -33,6 +33,9 @@ What the two forms do with them:
   cell runs. The copy carries the kernelspec JupyterLab writes (``KERNELSPEC``), so it opens
   unchanged, not marked unsaved. A copy that already exists and differs from a fresh one (the
   learner's work) is kept unless ``--force``.
+* **The final project** (``write_project_copy``): ``notebooks/project.py``, solved, becomes
+  ``student/project.py`` with each answer region one line, ``PROJECT_STUB``, which names the
+  grader (``minitp grade``); a copy the learner changed is kept, as a chapter's is.
 * **Website form** (``website_notebook``, used by ``tools/mkdocs_hooks.py``): before each answer
   cell a copy of its stub (tag ``minitp-stub``, no output); the answer cell and the answer-derived
   cells right after it are tagged ``minitp-answer``, and the site folds each run of them, outputs
@@ -61,6 +64,10 @@ from pathlib import Path
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 STUB = 'raise NotImplementedError("Exercise: write this part, then run the checker below")'
+# the final project: notebooks/project.py solved, student/project.py the learner's
+PROJECT = "project.py"
+PROJECT_STUB = ('raise NotImplementedError("Project: write this part, then run: minitp grade '
+                'student/project.py")')
 CHAPTER_GLOB = "[0-9][0-9]_*.ipynb"
 CHECKER_PREFIX = "check_"
 # JupyterLab and nbclient keep running the cells after an error here
@@ -132,8 +139,8 @@ def solution_regions(source: str, where: str = "cell") -> list[tuple[int, int]]:
     return regions
 
 
-def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
-    """Replace each solution region of ``source`` by the stub; return the new source and the count.
+def strip_solutions(source: str, where: str = "cell", stub: str = STUB) -> tuple[str, int]:
+    """Replace each solution region of ``source`` by ``stub``; return the new source and the count.
 
     ``where`` names the cell in error messages (``"00_collectives.ipynb, cell 12"``).
     """
@@ -150,7 +157,7 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
             end_line = lines[starts[number] - 1]
             # the region closed the cell: do not add a trailing newline the original did not have
             newline = "\n" if end_line.endswith("\n") else ""
-            out.append(f"{indent}{STUB}{newline}")
+            out.append(f"{indent}{stub}{newline}")
             skip_to = starts[number]
         else:
             out.append(line)
@@ -388,6 +395,23 @@ def write_student_copies(notebook_dir: Path, student_dir: Path,
     return [write_student_copy(source, student_dir / source.name, force) for source in sources]
 
 
+def write_project_copy(notebook_dir: Path, student_dir: Path,
+                       force: bool = True) -> StudentCopy | None:
+    """The learner's copy of the final project (``notebook_dir/project.py``, solved) in
+    ``student_dir``: each answer region one ``PROJECT_STUB`` line. None when there is no project;
+    with ``force=False`` a copy that differs from a fresh one (the learner's work) is kept."""
+    source = Path(notebook_dir) / PROJECT
+    if not source.is_file():
+        return None
+    text, regions = strip_solutions(source.read_text(encoding="utf-8"), PROJECT, PROJECT_STUB)
+    target = Path(student_dir) / PROJECT
+    kept = not force and target.is_file() and target.read_text(encoding="utf-8") != text
+    if not kept:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+    return StudentCopy(source, target, regions, 0, kept=kept)
+
+
 # -- the website's form ----------------------------------------------------------------------------
 def without_widgets(outputs: list[dict]) -> list[dict]:
     """The outputs a page without a kernel can show: every live widget view dropped, and with it an
@@ -509,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         copies = write_student_copies(args.notebooks, args.student, force=not args.keep_changed)
+        project = write_project_copy(args.notebooks, args.student, force=not args.keep_changed)
     except (SolutionMarkerError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -519,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{copy.target}: {copy.regions} solution region(s) in {copy.cells} cell(s) "
                   f"replaced by stubs, outputs of {copy.cleared} answer-derived cell(s) cleared")
+    if project is not None and project.kept:
+        print(f"{project.target}: kept as it is (your work?); delete it for a fresh template")
+    elif project is not None:
+        print(f"{project.target}: the final project's template, {project.regions} part(s) to write "
+              f"(minitp grade {project.target} grades it)")
     if not copies:
         print(f"no chapters ({CHAPTER_GLOB}) in {args.notebooks}")
     return 0
