@@ -2,8 +2,10 @@
 
 minitp's second model family (``minitp.models.gpt2``) has never been parallelized: no helper of
 minitp knows it. Here you split it yourself, write its training step, save it sharded and load it
-onto another layout. ``minitp grade student/project.py`` runs your file on 2 to 8 processes in five
-layouts and prints a scorecard, one line per criterion, naming the mistake when one fails.
+onto another layout. ``minitp grade student/project.py`` runs your file on 2 to 8 processes (four
+layouts, a load onto another, a restart after a planted kill, a run on real text) and prints a
+scorecard, one line per criterion, naming the mistake when one fails. Chapter 11 teaches what is
+new.
 
 What the grader calls, the same on every rank, whatever the layout::
 
@@ -153,6 +155,8 @@ class Stage(nn.Module):
         self.vocab_start = rank * cfg.vocab_size // tp
         blocks = stage_blocks(cfg.n_layers, mesh.pp)[mesh.coords.pp]
         self.h = nn.ModuleDict({str(i): Block(model.h[i], f"h.{i}", mesh) for i in blocks})
+        # the first stage: wte (this rank's vocabulary rows) and wpe; the last: ln_f and lm_head,
+        # tied: the same Parameter as wte on a single stage, a copy named lm_head.weight otherwise
         ### BEGIN SOLUTION
         if self.first:
             self.wte = nn.Embedding(cfg.vocab_size // tp, cfg.dim)
@@ -167,6 +171,8 @@ class Stage(nn.Module):
         ### END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # first stage: this rank's tokens looked up (zeros for the others), summed over tp, + wpe;
+        # then the blocks; last stage: ln_f, f (copy_to_parallel), the logits (b, S, V/tp)
         ### BEGIN SOLUTION
         group = self.mesh.tp_group
         if self.first:  # x: (b, S) tokens
@@ -216,6 +222,8 @@ def train_step(stage: Stage, mesh: Mesh, tokens: torch.Tensor, targets: torch.Te
                microbatches: int) -> tuple[float | None, float]:
     """One optimizer step on the global batch: (this replica's loss or None, the norm before
     clipping)."""
+    # this replica's rows; the pipeline over micro-batches; the tied gradient between the first and
+    # the last stage; the mean over dp; the global norm, clipping; the optimizer's step
     ### BEGIN SOLUTION
     optimizer.zero_grad(set_to_none=True)
     tokens = tokens.chunk(mesh.dp)[mesh.coords.dp]  # this replica's rows: (B/dp, S)
@@ -256,6 +264,8 @@ def train_step(stage: Stage, mesh: Mesh, tokens: torch.Tensor, targets: torch.Te
 def save(stage: Stage, optimizer: torch.optim.Optimizer, mesh: Mesh, folder: str,
          step: int) -> None:
     """Write this rank's pieces to ``folder`` so that ``load`` can continue on any layout."""
+    # dp rank 0 of each (stage, tp rank): its pieces with AdamW's moments and step, one file; then,
+    # once every file is on disk, an index naming them and the step
     ### BEGIN SOLUTION
     os.makedirs(folder, exist_ok=True)
     c = mesh.coords
@@ -296,6 +306,8 @@ def unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
 
 def load(stage: Stage, optimizer: torch.optim.Optimizer, mesh: Mesh, folder: str) -> int:
     """Fill a fresh ``stage`` and ``optimizer`` (any layout) from ``folder``; return its step."""
+    # every file the index names; each whole tensor from its slices (unshard), then this layout's
+    # slice (shard) of the parameter and of both moments
     ### BEGIN SOLUTION
     with open(os.path.join(folder, "index.json")) as f:
         index = json.load(f)

@@ -54,7 +54,7 @@ KINDS = {
         "test_exercises_ch00.py", "test_exercises_ch01.py", "test_exercises_ch02.py",
         "test_exercises_ch03.py", "test_exercises_ch04.py", "test_exercises_ch05.py",
         "test_exercises_ch05_runtime.py", "test_exercises_ch06.py", "test_exercises_ch07.py",
-        "test_exercises_ch08.py", "test_exercises_ch09.py", "test_exercises_ch10.py", "test_grade.py", "test_problems.py",
+        "test_exercises_ch08.py", "test_exercises_ch09.py", "test_exercises_ch10.py", "test_exercises_ch11.py", "test_grade.py", "test_problems.py",
         "test_problems_ch07.py", "test_problems_ch08.py", "test_student.py",
     ),
     # start ranks (minitp.launch, `minitp run` / `train`, torchrun), in at least one test: each strategy

@@ -266,7 +266,7 @@ def group_makers(trees: dict[str, ast.Module]) -> set[str]:
 
 
 # exercises' checkers build groups to check a learner's answer, and the ep runner its own world's two
-KNOWN_GROUP_MAKERS = {"minitp.exercises.ch06", "minitp.runs.expert_parallel"}
+KNOWN_GROUP_MAKERS = {"minitp.exercises.ch06", "minitp.exercises.ch11", "minitp.runs.expert_parallel"}
 
 
 def test_only_the_mesh_makes_process_groups_for_the_trainer():
@@ -355,8 +355,8 @@ def _ruff(*args: str, stdin: str | None = None):
                           capture_output=True, text=True)
 
 
-def test_ruff_is_clean_on_src_tests_benchmarks_and_tools():
-    done = _ruff("check", "src", "tests", "benchmarks", "tools")
+def test_ruff_is_clean_on_src_tests_benchmarks_tools_and_the_project():
+    done = _ruff("check", "src", "tests", "benchmarks", "tools", "notebooks/project.py")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
