@@ -74,6 +74,14 @@ def row_parallel_no_sum(x, weight, bias, group):
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def test_a_stub_on_the_ranks_is_not_done_yet():
+    def stub(x, weight, bias, group):
+        raise NotImplementedError("Exercise: write this part, then run the checker below")
+
+    with pytest.raises(ExerciseError, match="not done yet"):
+        ch11.check_row_parallel(stub)
+
+
 def test_the_row_parallel_layer_passes(capsys):
     ch11.check_row_parallel(row_parallel)
     assert "[ok] the row-parallel layer with a bias: correct" in capsys.readouterr().out
@@ -113,6 +121,13 @@ def one_side(grad, peer, group):
         comm.send(grad, peer, group)
 
 
+def receive_first(grad, peer, group):
+    theirs = torch.empty_like(grad)
+    comm.recv(theirs, peer, group)  # both ranks wait here
+    comm.send(grad, peer, group)
+    grad += theirs
+
+
 def exchange_twice(grad, peer, group):
     for _ in range(2):
         theirs = torch.empty_like(grad)
@@ -120,6 +135,13 @@ def exchange_twice(grad, peer, group):
         comm.recv(theirs, peer, group)
         sent.wait()
     grad += theirs
+
+
+def test_a_hanging_exchange_is_named_with_what_both_ranks_wait_in():
+    with pytest.raises(ExerciseError) as caught:
+        ch11.check_tied_gradients(receive_first, timeout=6)
+    said = str(caught.value)
+    assert "hung and was stopped after 6 s" in said and "Both ranks waiting to receive first" in said
 
 
 def test_the_exchange_passes(capsys):

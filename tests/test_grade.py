@@ -137,3 +137,15 @@ def test_the_text_criterion_trains_on_real_text_and_holds_the_project_to_its_bar
     monkeypatch.setattr(grade, "TEXT_TARGET", 2.0)
     card = grade.grade(str(REFERENCE), only=("text",), echo=False)
     assert card.failed == ["text"] and "more than 2.0" in card.lines[-1]
+
+
+def test_the_command_line_says_what_it_graded_and_exits_by_it(capsys, tmp_path):
+    from minitp import cli
+
+    assert cli.main(["grade", str(tmp_path / "nowhere.py")]) == 1
+    out = capsys.readouterr().out
+    assert "no such file" in out and out.rstrip().endswith("0 of 1 criteria met; failed: your own code")
+    assert cli.main(["grade", str(REFERENCE), "--only", "dp,foo"]) == 2
+    assert "unknown criteria ['foo']" in capsys.readouterr().err
+    assert cli.main(["grade", str(REFERENCE), "--only", "dp"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("2 of 2 criteria met")

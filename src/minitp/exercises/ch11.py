@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from minitp.exercises import ExerciseError, call_answer, passed, problems, refuse_own, wrong
+from minitp.exercises import call_answer, passed, problems, refuse_own, run_answer, wrong
 from minitp.exercises import grade as _grade
 from minitp.exercises.problems import Problem
-from minitp.launcher import LaunchError, launch
 from minitp.models.gpt2 import GPT2_124M, GPT2_BYTE, build_gpt2
 
 MIB, GIB = 2**20, 2**30
@@ -90,10 +89,7 @@ def check_row_parallel(fn, tp: int = 2) -> None:
     refuse_own(name, fn)
     x, w, b = _row_case(tp)
     want = torch.nn.functional.linear(x, w, b)
-    try:
-        results = launch(_row_worker, tp, fn, echo=False, timeout=60)
-    except LaunchError as error:
-        raise ExerciseError(f"{name}: {_grade._one_line(error)}") from None
+    results = run_answer(_row_worker, tp, (fn,), name)
     for rank, got in enumerate(results):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             raise wrong(name, f"rank {rank} returned {getattr(got, 'shape', got)!r}",
@@ -127,17 +123,16 @@ def _tied_worker(fn):
     return {"grad": grad, "returned": out, "sent": sent}
 
 
-def check_tied_gradients(fn) -> None:
+def check_tied_gradients(fn, timeout: float = 30.0) -> None:
     """``fn(grad, peer, group)`` on 2 processes (the first stage and the last): both end with the
     sum of both gradients in ``grad``."""
     name = "the tied embedding's gradients"
     refuse_own(name, fn)
     parts = [torch.randn(64, 16, generator=torch.Generator().manual_seed(3 + r)) for r in (0, 1)]
     want = parts[0] + parts[1]
-    try:
-        results = launch(_tied_worker, 2, fn, echo=False, timeout=30)
-    except LaunchError as error:
-        raise ExerciseError(f"{name}: {_grade._one_line(error)}") from None
+    results = run_answer(_tied_worker, 2, (fn,), name, timeout,
+                         hang_hint="Both ranks waiting to receive first: neither sends. Post "
+                                   "your send without waiting (comm.isend), then receive.")
     ends = [r["grad"] for r in results]
     if all(torch.equal(end, part) for end, part in zip(ends, parts)):
         raise wrong(name, "each gradient is unchanged: add the peer's into it, in place "
