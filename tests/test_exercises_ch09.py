@@ -115,14 +115,16 @@ def test_parallelize_catches_mistakes(answer, layouts, message):
 
 
 # -- exercise 2: clip by the global norm ---------------------------------------------------------------------
-def _pieces(par, counted, every_replica=False):
-    """(gradients counted in the norm, every gradient) of this rank."""
+def _pieces(par, counted, every_replica=False, experts=True):
+    """(gradients counted in the norm, every gradient) of this rank. ``experts``: a MoE's experts
+    count on each of the first ep ranks of the dp axis, which hold different ones."""
     c = par.mesh.coords
     if par.fsdp is not None:
         pieces = par.fsdp.gradient_pieces()
         return [g for n, g in pieces if counted(n)], [g for _, g in pieces]
     grads = [(n, p.grad) for n, p in par.module.named_parameters() if p.grad is not None]
-    return [g for n, g in grads if counted(n) and (every_replica or c.dp == 0)], [g for _, g in grads]
+    owner = lambda n: c.dp == 0 or (experts and c.dp < par.mesh.ep and ".experts." in n)  # noqa: E731
+    return [g for n, g in grads if counted(n) and (every_replica or owner(n))], [g for _, g in grads]
 
 
 def _counted(par):
@@ -223,13 +225,21 @@ def test_clip_accepts_the_answer(capsys):
     assert "[ok] clip by the global norm" in capsys.readouterr().out
 
 
-TP_PP, DP_TP, FSDP_DP_TP = ch09.CLIP_LAYOUTS
+TP_PP, DP_TP, FSDP_DP_TP, CP, EP = ch09.CLIP_LAYOUTS
+
+
+@torch.no_grad()
+def clip_experts_on_dp_rank_0_only(par, max_norm):
+    mine, every = _pieces(par, _counted(par), experts=False)
+    return _finish(_squares(mine), every, max_norm)
 
 
 @pytest.mark.parametrize("answer, layouts, message", [
     (clip_norm_weights_twice, (TP_PP,), "counted twice"),
     (clip_within_the_stage, (TP_PP,), "missing across pipeline stages"),
     (clip_every_replica, (DP_TP,), "DDP replicas summed"),
+    (clip_every_replica, (CP,), "DDP replicas summed"),
+    (clip_experts_on_dp_rank_0_only, (EP,), "experts of its own"),
     (clip_without_scaling, (TP_PP,), "forgot to scale"),
     (clip_scales_up, (TP_PP,), "only ever shrinks"),
     (clip_only_what_was_counted, (TP_PP,), "not only the ones you counted"),

@@ -275,7 +275,10 @@ def check_parallelize(fn, layouts=PARALLELIZE_LAYOUTS) -> None:
 
 # -- exercise 2: clip by the global norm -----------------------------------------------------------
 # (dp, pp, tp, data parallel)
-CLIP_LAYOUTS = ((1, 2, 2, "ddp"), (2, 1, 2, "ddp"), (2, 1, 2, "fsdp"))
+# (dp, pp, tp, data parallel, cp, ep): cp splits each replica's sequences (the dp axis holds dp·cp
+# ranks); ep puts a MoE's experts over the first ep ranks of the dp axis
+CLIP_LAYOUTS = ((1, 2, 2, "ddp", 1, 1), (2, 1, 2, "ddp", 1, 1), (2, 1, 2, "fsdp", 1, 1),
+                (1, 1, 1, "ddp", 2, 1), (2, 1, 1, "ddp", 1, 2))
 NO_CLIP = 1e6  # a max_norm no gradient reaches: nothing may change
 
 
@@ -286,27 +289,38 @@ def _real_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return Sampler(load_corpus(COURSE_CORPUS).train, 4, 32, seed=0).batch(0)
 
 
-def _reference_gradients() -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, the whole batch: the global norm (torch's) and every gradient, unclipped."""
-    from minitp.models import build_model, loss_fn
+def _clip_model(ep: int):
+    """The byte model, or for expert parallel its MoE (2 experts, top-1, no token dropped)."""
+    from minitp.models import build_model
+    from minitp.models.moe import build_moe_model, moe_config
 
-    model = build_model(_config(), seed=0)
+    if ep == 1:
+        return build_model(_config(), seed=0)
+    cfg = moe_config(_config(), n_experts=2, top_k=1, expert_hidden=96, capacity_factor=None)
+    return build_moe_model(cfg, seed=0)
+
+
+def _reference_gradients(ep: int = 1) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, the whole batch: the global norm (torch's) and every gradient, unclipped."""
+    from minitp.models import loss_fn
+    from minitp.models.moe import moe_loss
+
+    model = _clip_model(ep)
     tokens, targets = _real_batch()
-    loss_fn(model(tokens), targets).backward()
+    loss = moe_loss(model) if ep > 1 else loss_fn
+    loss(model(tokens), targets).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
     return norm, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def _clip_worker(fn, layout, small: float, reference: float):
     from minitp.mesh import Mesh
-    from minitp.models import build_model
     from minitp.parallel3d import Parallel3D
     from minitp.trainer import all_gradients
 
-    dp, pp_size, tp_size, data_parallel = layout
-    mesh = Mesh(dp, pp_size, tp_size)
-    par = Parallel3D(build_model(_config(), seed=0), mesh, data_parallel, microbatches=2
-                     if pp_size > 1 else 1)
+    dp, pp_size, tp_size, data_parallel, cp, ep = layout
+    mesh = Mesh(dp * cp, pp_size, tp_size, cp=cp, ep=ep)
+    par = Parallel3D(_clip_model(ep), mesh, data_parallel, microbatches=2 if pp_size > 1 else 1)
     par.optimizer.zero_grad(set_to_none=True)
     par.forward_backward(*_real_batch())
     grads = all_gradients(par)
@@ -383,14 +397,16 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
     min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_`` on one process."""
     name = "clip by the global norm"
     _real_batch()  # builds the corpus's cache here once, not on every rank at once
-    want, grads = _reference_gradients()
-    small = want / 4  # clips: every gradient must shrink 4 times
+    references = {ep: _reference_gradients(ep) for ep in sorted({layout[5] for layout in layouts})}
     for layout in layouts:
-        dp, pp_size, tp_size, data_parallel = layout
+        dp, pp_size, tp_size, data_parallel, cp, ep = layout
+        want, grads = references[ep]
+        small = want / 4  # clips: every gradient must shrink 4 times
         ddp = data_parallel == "ddp"
-        where = f"on {data_parallel.upper()} dp={dp}, pp={pp_size}, tp={tp_size}"
-        results = run_answer(_clip_worker, dp * pp_size * tp_size, (fn, layout, small, want), name,
-                             timeout=60)
+        where = (f"on {data_parallel.upper()} dp={dp}, pp={pp_size}, tp={tp_size}"
+                 + "".join(f", {d}={n}" for d, n in (("cp", cp), ("ep", ep)) if n > 1))
+        results = run_answer(_clip_worker, dp * cp * pp_size * tp_size,
+                             (fn, layout, small, want), name, timeout=60)
         replicated = set().union(*(r["replicated"] for r in results)) if tp_size > 1 else set()
         n2, r2 = want * want, sum(float(grads[n].pow(2).sum()) for n in replicated)
         for case in ("no clip", "clip"):
@@ -400,7 +416,8 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                                   "the norm, a number (a float, or a 0-d tensor).")
             norms = [r[case]["norm"] for r in results]
             if max(norms) - min(norms) > 1e-6 * max(1.0, max(norms)):
-                stages = [coordinates(rank, dp, pp_size, tp_size).pp for rank in range(len(norms))]
+                stages = [coordinates(rank, dp * cp, pp_size, tp_size).pp
+                          for rank in range(len(norms))]
                 per_stage = {s: norms[stages.index(s)] for s in set(stages)}
                 same_in_stage = all(math.isclose(v, per_stage[s], rel_tol=1e-6)
                                     for v, s in zip(norms, stages))
@@ -419,8 +436,15 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                                   "the whole world (group=None), then every rank takes the same "
                                   "square root.")
             got = norms[0]
+            if ep > 1 and got < want * (1 - 1e-5):
+                raise wrong(name, f"{name} {where}: you gave the norm {got:.6f}, less than one "
+                                  "process's: under expert parallel each of the first ep ranks of "
+                                  "the dp axis holds experts of its own (their names hold "
+                                  "'.experts.'), which no other rank holds: count them on each of "
+                                  "those ranks, the rest on dp rank 0 only (par.mesh.ep).",
+                            f"{want:.6f}")
             if not math.isclose(got, want, rel_tol=1e-5):
-                hint = _norm_hint(got, want, n2, r2, dp, tp_size, ddp)
+                hint = _norm_hint(got, want, n2, r2, dp * cp, tp_size, ddp)
                 raise wrong(name, f"{name} {where}: you gave the norm {got:.6f}, not the norm one "
                                   "process finds (torch.nn.utils.clip_grad_norm_). "
                                   f"{hint}", f"{want:.6f}")
@@ -437,7 +461,7 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                               "1e-6)).")
         for rank, r in enumerate(results):
             if not r["clip"]["scaled"]:
-                c = coordinates(rank, dp, pp_size, tp_size)
+                c = coordinates(rank, dp * cp, pp_size, tp_size)
                 if r["clip"]["untouched"]:
                     raise wrong(name,
                         f"{name} {where}: rank {rank} (dp {c.dp}, pp {c.pp}, tp {c.tp}) left "
@@ -456,8 +480,8 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                         f"{name} {where}: the values are right, but rank {rank} sent {said}. One "
                         "all-reduce of one number over the whole world is all it takes (the pieces "
                         "are disjoint), sent with minitp.comm.all_reduce so that it is recorded.")
-    passed(name, "DDP tp2·pp2 and dp2·tp2, FSDP dp2·tp2: torch's norm on one process, every "
-                 "gradient scaled as it scales them, one all-reduce")
+    passed(name, "DDP tp2·pp2, dp2·tp2, cp2 and a MoE's ep2, FSDP dp2·tp2: torch's norm on one "
+                 "process, every gradient scaled as it scales them, one all-reduce")
 
 
 # -- exercise 3: the learning rate -----------------------------------------------------------------
