@@ -26,6 +26,7 @@ project's, so each checks the other. Grading takes under 2 minutes on 2 cores, m
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import math
 import os
@@ -148,7 +149,8 @@ def expected_bytes(layout: tuple[int, int, int], stage: int, held: int) -> dict[
     V/tp·D gradient between the first and the last stage, once each way. dp: the all-reduce of
     every gradient held."""
     dp, pp, tp = layout
-    ring = lambda n, size: 2 * (n - 1) / n * size * 4
+    # an fp32 all-reduce of ``size`` elements over n ranks, as the trace counts it
+    ring = lambda n, size: _trace.collective_sent_bytes("all_reduce", size * 4, n)
     T, D = TRAIN.batch_size // dp * TRAIN.seq_len, CFG.dim
     first, last = stage == 0, stage == pp - 1
     blocks = len(stage_blocks(CFG.n_layers, pp)[stage])
@@ -360,7 +362,9 @@ def _run(path: str, layout, steps: range, save_to: str | None = None, save_every
                   kill_at, echo=False, timeout=180)
 
 
+@functools.cache
 def _whole_shapes() -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the plain GPT-2 (built once), and the tied copy a last stage holds."""
     shapes = {n: tuple(p.shape) for n, p in build_gpt2(CFG).named_parameters()}
     shapes["lm_head.weight"] = shapes["wte.weight"]  # the tied copy a last stage holds
     return shapes
