@@ -236,3 +236,75 @@ def test_trace_out_into_a_missing_folder_is_refused_before_anything_runs(tmp_pat
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"minitp: error: --trace-out {missing}: the folder") and "does not exist" in err
+
+
+# -- --profile: PyTorch's operators under minitp's spans -------------------------------------------------------
+def _inside(op: dict, span: dict) -> bool:
+    return span["ts"] <= op["ts"] and op["ts"] + op["dur"] <= span["ts"] + span["dur"]
+
+
+def test_operators_land_inside_the_span_that_ran_them():
+    """One process: the profiler's clock lined up with perf_counter's through the span's own mark."""
+    from minitp.measure.operators import operators
+
+    a = torch.randn(64, 64)
+    with _trace.recording(0) as tr, operators(tr):
+        with _trace.span("forward"):
+            b = a @ a
+        with _trace.span("optimizer"):
+            b.mul_(0.5)
+    spans = {e.op: e for e in tr.events if e.kind == "compute"}
+    ops = [e for e in tr.events if e.kind == "op"]
+    mm = [e for e in ops if e.op == "aten::mm"]
+    mul = [e for e in ops if e.op == "aten::mul_"]
+    assert mm and mul and not tr.marked and not tr.profiling
+    for op, span in ((mm[0], spans["forward"]), (mul[0], spans["optimizer"])):
+        assert span.start <= op.start <= op.end <= span.end, (op, span)
+    assert not any(e.op.startswith("minitp/") for e in ops)  # the marks are the spans, not operators
+
+
+PROFILED = trainer.Settings(dp=2, steps=2, batch_size=4, seq_len=32, corpus=COURSE_CORPUS,
+                            eval_every=0, warmup=1, profile=True)
+
+
+def test_a_profiled_training_step_nests_operators_under_its_spans_on_every_rank():
+    """``minitp train --trace-out FILE --profile``: the last step's operators on each rank's compute thread,
+    each inside a span (forward, backward, optimizer), a matrix multiply in the forward."""
+    results = training.train(PROFILED, echo=False)
+    data = json.loads(json.dumps(chrome_trace(results.traces)))  # valid JSON, as written
+    _check_viewer_rules(data)
+    slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    for rank in range(PROFILED.world):
+        spans = [e for e in slices if e["pid"] == rank and e["cat"] == "compute"]
+        ops = [e for e in slices if e["pid"] == rank and e["cat"] == "op"]
+        assert {s["name"] for s in spans} == {"forward", "backward", "optimizer"}
+        assert ops and all(o["tid"] == spans[0]["tid"] for o in ops)
+        held = {s["name"]: [o["name"] for o in ops if _inside(o, s)] for s in spans}
+        assert "aten::mm" in held["forward"] or "aten::addmm" in held["forward"], held["forward"][:20]
+        assert held["backward"] and held["optimizer"], {k: len(v) for k, v in held.items()}
+        inside = sum(any(_inside(o, s) for s in spans) for o in ops)
+        # the rest ran between spans: the batch's rows, zero_grad, the clipping's norm
+        assert inside / len(ops) > 0.8, f"rank {rank}: {len(ops) - inside} of {len(ops)} operators outside every span"
+
+
+def test_profile_without_a_trace_is_refused(capsys):
+    assert cli.main(["train", "--steps", "1", "--profile"]) == 2
+    assert "--profile adds the last step's operators to the trace: give --trace-out FILE too" in capsys.readouterr().err
+
+
+def test_each_moment_of_a_step_counts_as_the_innermost_operator_or_the_wait():
+    from minitp.measure.operators import CATEGORIES, shares
+
+    def ev(kind, op, start, end, **more):
+        return _trace.Event(0, kind, op, "", start, end, **more)
+
+    events = [ev("compute", "forward", 0.0, 10.0), ev("compute", "optimizer", 12.0, 14.0),
+              ev("op", "aten::linear", 1.0, 5.0), ev("op", "aten::mm", 1.5, 4.5),  # the linear holds the mm
+              ev("op", "aten::_softmax", 5.0, 6.0), ev("op", "aten::add_", 12.5, 13.5),
+              ev("op", "c10d::allreduce_", 10.0, 11.0),
+              ev("comm", "all_reduce", 6.0, 8.0, dim="tp")]  # in flight while no kernel runs: a wait
+    got = shares(events)
+    assert list(got) == list(CATEGORIES)
+    assert got == {"matmul": 3.0, "attention": 1.0, "elementwise": 1.0, "optimizer": 2.0,
+                   "communication": 1.0 + 2.0, "python": 1.0 + 2.0 + 1.0}
+    assert sum(got.values()) == 14.0  # the step's wall time, first span to last

@@ -10,7 +10,7 @@ from hint_levels import first_then_second
 from minitp import comm, cost, pp, tp
 from minitp.exercises import ExerciseError, ch09
 from minitp.fsdp import FullyShardedDataParallel
-from minitp.models import LLAMA3_70B
+from minitp.models import LLAMA3_70B, loss_fn
 
 
 def _stub(*args):
@@ -114,7 +114,129 @@ def test_parallelize_catches_mistakes(answer, layouts, message):
         ch09.check_parallelize(answer, layouts=layouts)
 
 
-# -- exercise 2: clip by the global norm ---------------------------------------------------------------------
+# -- exercise 2: the step, by hand ---------------------------------------------------------------------------
+def step_right(stage, mesh, tokens, targets, m, split=True, scale=True, average=True, divide=True,
+               send=None):
+    """GPipe's order: every micro-batch forward, then every backward; the dp mean at the end."""
+    send = send or comm.send
+    c = mesh.coords
+    if split:  # this replica's rows
+        rows = tokens.shape[0] // mesh.dp
+        tokens, targets = (t[c.dp * rows:(c.dp + 1) * rows] for t in (tokens, targets))
+    first, last = c.pp == 0, c.pp == mesh.pp - 1
+    ranks = comm.group_ranks(mesh.pp_group)
+    b = tokens.shape[0] // m
+    shape = (b, tokens.shape[1], stage.config.dim)
+    held, losses = [], []
+    for i in range(m):
+        if first:
+            x = tokens[i * b:(i + 1) * b]
+        else:
+            x = torch.empty(shape)
+            comm.recv(x, ranks[c.pp - 1], mesh.pp_group)
+            x.requires_grad_()
+        y = stage(x)
+        if last:
+            y_i = targets[i * b:(i + 1) * b]
+            loss = (tp.vocab_parallel_cross_entropy(y, y_i, mesh.tp_group) if mesh.tp > 1
+                    else loss_fn(y, y_i))
+            y = loss / m if scale else loss
+            losses.append(loss.item() / m)
+        else:
+            send(y.detach(), ranks[c.pp + 1], mesh.pp_group)
+        held.append((x, y))
+    for x, y in held:
+        if last:
+            y.backward()
+        else:
+            g = torch.empty(shape)
+            comm.recv(g, ranks[c.pp + 1], mesh.pp_group)
+            y.backward(g)
+        if not first:
+            send(x.grad, ranks[c.pp - 1], mesh.pp_group)
+    if mesh.dp > 1 and average:
+        for p in stage.parameters():
+            comm.all_reduce(p.grad, mesh.dp_group)
+            if divide:
+                p.grad /= mesh.dp
+    return sum(losses) if last else None
+
+
+def step_with_minitps_pipeline(stage, mesh, tokens, targets, m):
+    """The pipeline's sends and receives left to minitp's 1F1B runtime: also an answer."""
+    def loss_of(logits, y):
+        return tp.vocab_parallel_cross_entropy(logits, y, mesh.tp_group) if mesh.tp > 1 else loss_fn(logits, y)
+    rows = tokens.shape[0] // mesh.dp
+    tokens, targets = (t[mesh.coords.dp * rows:(mesh.coords.dp + 1) * rows] for t in (tokens, targets))
+    spec = pp.StageSpec(stage.stage, stage.num_stages, stage, stage, stage.config.dim, torch.float32,
+                        torch.device("cpu"))
+    loss = pp.Pipeline(spec, mesh.pp_group, "1f1b", m, loss=loss_of).forward_backward(tokens, targets).loss
+    for p in stage.parameters():
+        comm.all_reduce(p.grad, mesh.dp_group)
+        p.grad /= mesh.dp
+    return loss
+
+
+def step_plain_loss_under_tp(stage, mesh, tokens, targets, m):
+    for p in stage.parameters():  # a loss of the local V/tp logits
+        p.grad = torch.zeros_like(p)
+    return loss_fn(stage(tokens), targets).item()
+
+
+def _untraced_send(tensor, dst, group):
+    dist.send(tensor, dst=dst, group=group)
+
+
+def step_whole_batch(*args):
+    return step_right(*args, split=False)
+
+
+def step_sum_of_microbatches(*args):
+    return step_right(*args, scale=False)
+
+
+def step_no_dp_average(*args):
+    return step_right(*args, average=False)
+
+
+def step_dp_sum(*args):
+    return step_right(*args, divide=False)
+
+
+def step_untraced_sends(*args):
+    return step_right(*args, send=_untraced_send)
+
+
+def step_minitps_own(stage, mesh, tokens, targets, m):
+    from minitp import trainer
+    return trainer.train_step(stage, tokens, targets)
+
+
+def test_the_step_accepts_the_answer(capsys):
+    ch09.check_train_step(step_right)
+    assert "[ok] the 3D step" in capsys.readouterr().out
+
+
+def test_the_step_accepts_minitps_pipeline_runtime():
+    ch09.check_train_step(step_with_minitps_pipeline, layouts=((2, 2, 1),))
+
+
+@pytest.mark.parametrize("answer, layout, message", [
+    (step_whole_batch, (2, 2, 1), "every replica trained on the whole batch"),
+    (step_sum_of_microbatches, (2, 2, 1), "divide each micro-batch's loss by m = 3"),
+    (step_no_dp_average, (2, 2, 1), "each replica kept the gradient of its own rows"),
+    (step_dp_sum, (2, 1, 2), "divide by dp = 2 to average them"),
+    (step_untraced_sends, (1, 2, 2), r"sent to ranks \[\]"),
+    (step_plain_loss_under_tp, (2, 1, 2), "Target .* is out of bounds.\nUnder tp the last stage's logits"),
+    (step_minitps_own, (2, 2, 1), "calls minitp.trainer.train_step"),
+    (_stub, (2, 2, 1), "not done yet"),
+])
+def test_the_step_catches_mistakes(answer, layout, message):
+    with pytest.raises(ExerciseError, match=message):
+        ch09.check_train_step(answer, layouts=(layout,))
+
+
+# -- exercise 3: clip by the global norm ---------------------------------------------------------------------
 def _pieces(par, counted, every_replica=False, experts=True):
     """(gradients counted in the norm, every gradient) of this rank. ``experts``: a MoE's experts
     count on each of the first ep ranks of the dp axis, which hold different ones."""
@@ -253,7 +375,7 @@ def test_clip_catches_mistakes(answer, layouts, message):
         ch09.check_clip_grad_norm(answer, layouts=layouts)
 
 
-# -- exercise 3: the learning rate ---------------------------------------------------------------------------
+# -- exercise 4: the learning rate ---------------------------------------------------------------------------
 def lr_right(step, steps, warmup, lr, min_ratio):
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -300,7 +422,7 @@ def test_lr_catches_mistakes(answer, message):
         ch09.check_lr_schedule(answer)
 
 
-# -- exercise 4: how often to save ---------------------------------------------------------------------------
+# -- exercise 5: how often to save ---------------------------------------------------------------------------
 def waste_right(interval, save_seconds, restart_seconds, mtbf):
     return save_seconds / interval + (interval / 2 + restart_seconds) / mtbf
 

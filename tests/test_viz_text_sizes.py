@@ -15,7 +15,18 @@ import torch
 import minitp
 from minitp import cost, pp, trace
 from minitp.models import TINY
-from minitp.viz import collectives, context, experts, fsdp, mesh, pipeline, style, timeline, tp
+from minitp.viz import (
+    collectives,
+    context,
+    experts,
+    fsdp,
+    mesh,
+    pipeline,
+    profile,
+    style,
+    timeline,
+    tp,
+)
 
 matplotlib.use("Agg")
 
@@ -173,7 +184,20 @@ def _chapter_06(r):
         "bytes_by_dim": mesh.bytes_by_dim(traced, traced, title="bytes sent in one step, per rank"),
         "memory_bars (3D)": timeline.memory_bars(_memory(8), _memory(8), title="per rank: held and minitp.cost",
                                                  width=7.0),
+        "step_profile": profile.step_profile(_profiled_step(), title="dp = 2: the last step of each rank"),
     }
+
+
+def _profiled_step():
+    """Two ranks' spans, operators and one dp message, as a profiled step records them (seconds)."""
+    def rank(r):
+        ev = trace.Event
+        return [ev(r, "compute", "forward", "", 0.0, 0.010), ev(r, "compute", "backward", "", 0.010, 0.030),
+                ev(r, "compute", "optimizer", "", 0.031, 0.034), ev(r, "op", "aten::mm", "", 0.001, 0.004),
+                ev(r, "op", "aten::_softmax", "", 0.004, 0.005), ev(r, "op", "aten::add", "", 0.011, 0.02 + r / 200),
+                ev(r, "op", "aten::add_", "", 0.0315, 0.033),
+                ev(r, "comm", "all_reduce", "ddp/bucket0", 0.026, 0.030, dim="dp", group=(0, 1), bytes=8)]
+    return [rank(0), rank(1)]
 
 
 def _chapter_07(r):

@@ -106,6 +106,10 @@ class Trace:
     clock_offset: float = field(default_factory=lambda: time.time() - time.perf_counter())
     _scopes: list[str] = field(default_factory=list, repr=False)
     _tags: list[dict] = field(default_factory=list, repr=False)
+    # while ``minitp.measure.operators`` profiles: each span also opens a profiler mark, and the
+    # spans that did are kept here, in order, to line the profiler's clock up with this one
+    profiling: bool = field(default=False, repr=False)
+    marked: list[Event] = field(default_factory=list, repr=False)
 
     # -- recording ----------------------------------------------------------------------------
     def label(self, label: str) -> str:
@@ -139,11 +143,20 @@ class Trace:
         """Time a piece of compute: ``with trace.span("backward", "layers.1"): ...``."""
         event = Event(self.rank, "compute", name, self.label(label), time.perf_counter(), 0.0,
                       **self.tags())
+        profiling = self.profiling
         try:
-            yield event
+            if profiling:
+                from torch.profiler import record_function
+
+                with record_function(PROFILER_MARK + name):
+                    yield event
+            else:
+                yield event
         finally:
             event.end = time.perf_counter()
-            self.add(event)
+            event = self.add(event)
+            if profiling:
+                self.marked.append(event)
 
     # -- reading ------------------------------------------------------------------------------
     def comm(self) -> list[Event]:
@@ -160,7 +173,11 @@ class Trace:
 
     def clear(self) -> None:
         self.events.clear()
+        self.marked.clear()
 
+
+# the name of the profiler mark a span opens while profiling: "minitp/<op>"
+PROFILER_MARK = "minitp/"
 
 # The traces recording on this process, innermost last. A stack rather than one global so that
 # nested recordings (a test inside a launched rank, say) each see their own calls.

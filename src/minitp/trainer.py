@@ -86,6 +86,7 @@ class Settings:
     corpus: str | None = None  # .py files: a folder or a .tar.gz (data.COURSE_CORPUS); None: stdlib
     max_files: int | None = None  # the first N files of the corpus only (tests)
     kill_at: int | None = None  # tests and chapter 09: the last rank dies at this step, once
+    profile: bool = False  # the last step's CPU operators in its trace (minitp.measure.operators)
 
     @property
     def world(self) -> int:

@@ -20,6 +20,9 @@ def train(args: argparse.Namespace) -> int:
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
+    if args.profile and not args.trace_out:
+        raise ValueError("--profile adds the last step's operators to the trace: give --trace-out "
+                         "FILE too")
     # train makes --out, nothing else
     check_output_file("--trace-out", args.trace_out, made_folder=args.out)
     s = trainer.Settings(
@@ -30,7 +33,8 @@ def train(args: argparse.Namespace) -> int:
         warmup=args.warmup if args.warmup is not None else min(30, args.steps // 10),
         clip=args.clip, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, out=args.out, resume=args.resume, overwrite=args.overwrite,
-        seed=args.seed, corpus=args.corpus, max_files=args.max_files, kill_at=args.kill_at)
+        seed=args.seed, corpus=args.corpus, max_files=args.max_files, kill_at=args.kill_at,
+        profile=args.profile)
     dims = s.dims  # what composes with what, checked as it is made
     if args.layout == "auto" and set(dims.on) - {"ep"}:
         raise ValueError("--layout auto picks dp, tp and pp itself: give it --nprocs N, without "
@@ -62,7 +66,14 @@ def train(args: argparse.Namespace) -> int:
 
         coords = [dict(zip(AXES, r["coords"])) for r in results]
         write_chrome_trace(args.trace_out, results.traces, coords=coords)
-        print(f"the last step's trace written to {args.trace_out}")
+        print(f"the last step's trace written to {args.trace_out}"
+              + (" (with its operators: torch.profiler)" if args.profile else ""))
+        if args.profile:
+            from minitp.measure.operators import format_shares, shares
+
+            print("where the last step's time went, by each operator's own time (the profiler "
+                  "adds a few µs to each):")
+            print(format_shares([shares(t.events) for t in results.traces]))
     if results[0]["stopped"]:
         signum = next((r["signal"] for r in results if r.get("signal")), signal.SIGINT)
         by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -124,6 +135,9 @@ def train_options():
                choices=("gloo", "nccl")),
         Option("kill_at", int, None, "the last rank dies at step N, once (to watch a restart)",
                low=0, optional=True),
+        Option("profile", bool, False,
+               "with --trace-out: PyTorch's CPU operators of the last step (torch.profiler), "
+               "nested under its spans in the trace"),
     )
 
 

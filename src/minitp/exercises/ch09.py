@@ -6,6 +6,12 @@
   dimension of size 1 may be left out. Run on 4 ranks (dp2×tp2, tp2×pp2, dp2×pp2): what each rank
   holds must equal ``Parallel3D``'s pieces (its tp slices of its stage), and a forward and backward
   through it must give the loss of one process.
+* ``check_train_step(fn)``: ``fn(stage, mesh, tokens, targets, m)``, one 3D step written by hand on
+  this rank's tp-split stage: this replica's rows, ``m`` micro-batches sent and received through the
+  pipeline, the loss on the last stage (vocabulary-parallel under tp), the gradients averaged over
+  ``mesh.dp_group``. Run on 4 ranks (dp2×pp2, pp2×tp2, dp2×tp2): every gradient and the loss must
+  be one process's, the rows of each forward B/(dp·m), the sends one per micro-batch to each
+  neighbouring stage, the dp all-reduces each gradient once.
 * ``check_clip_grad_norm(fn)``: ``fn(par, max_norm)`` clips the gradients of a ``Parallel3D`` by the
   global norm, each element of the model counted once, with one all-reduce. Run on 4 ranks (DDP
   tp2×pp2, DDP dp2×tp2, FSDP dp2×tp2) after a forward and backward on a real batch: the norm must be
@@ -33,6 +39,7 @@ from minitp.exercises import (
     passed,
     problems,
     refuse_own,
+    refuse_own_deep,
     run_answer,
     wrong,
 )
@@ -273,7 +280,164 @@ def check_parallelize(fn, layouts=PARALLELIZE_LAYOUTS) -> None:
                  "process's")
 
 
-# -- exercise 2: clip by the global norm -----------------------------------------------------------
+# -- exercise 2: the step, by hand -----------------------------------------------------------------
+STEP_LAYOUTS = ((2, 2, 1), (1, 2, 2), (2, 1, 2))  # (dp, pp, tp), 4 ranks each
+STEP_MICROBATCHES = 3
+_STEP_HINT = ("Under tp the last stage's logits are (b, S, V/tp): its loss is "
+              "tp.vocab_parallel_cross_entropy(logits, targets, mesh.tp_group). A stage other than "
+              "the first takes (b, S, D) from the previous one (D = stage.config.dim); send and "
+              "receive with the global ranks of comm.group_ranks(mesh.pp_group).")
+_STEP_HANG = ("A send and its receive must pair up: each forward sends its output to the next "
+              "stage (unless last), each backward sends its input's gradient to the previous one "
+              "(unless first), and every dp rank joins the gradients' all-reduce.")
+
+
+def _step_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 256, (12, 17), generator=g)  # (B, S + 1)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _step_worker(fn, layout, m):
+    from minitp import pp, tp
+    from minitp.mesh import Mesh
+    from minitp.models import build_model
+
+    dp, pp_size, tp_size = layout
+    mesh = Mesh(dp, pp_size, tp_size)
+    model = build_model(_config(), seed=0)
+    if tp_size > 1:
+        tp.parallelize(model, mesh.tp_group)
+    stage = pp.PipelineStage(model, mesh.coords.pp, mesh.pp) if pp_size > 1 else model
+    rows: list[int] = []  # the rows of each forward the learner runs
+    stage.register_forward_pre_hook(lambda module, args: rows.append(int(args[0].shape[0])))
+    tokens, targets = _step_batch()
+    with trace.scope(ANSWER):
+        loss = fn(stage, mesh, tokens, targets, m)
+    return {"loss": None if loss is None else float(loss), "rows": rows,
+            "grads": {n: (None if g is None else g.cpu()) for n, (g, _)
+                      in tp.local_shards(stage, grads=True).items()},
+            "dims": tp.split_dims(stage),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in stage.parameters())}
+
+
+def _step_messages(tr) -> tuple[list, list]:
+    """(the learner's sends over pp, the all-reduces over dp) of one rank's trace."""
+    msgs = [e for e in tr.comm() if ANSWER in e.scopes]
+    return ([e for e in msgs if e.op == "send"],
+            [e for e in msgs if e.op == "all_reduce" and e.dim == "dp"])
+
+
+def _check_step_rank(name, layout, m, rank, r, tr, want, loss_want) -> None:
+    dp, pp_size, tp_size = layout
+    where = f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}, rank {rank}"
+    c = coordinates(rank, dp, pp_size, tp_size)
+    b = _step_batch()[0].shape[0]
+    if r["rows"] != [b // (dp * m)] * m:
+        if len(r["rows"]) != m:
+            raise wrong(name, f"{where}: the stage ran {len(r['rows'])} forwards, not one per "
+                              f"micro-batch: split this replica's rows into m = {m}.",
+                        f"{m} forwards of {b // (dp * m)} rows")
+        if dp > 1 and r["rows"] == [b // m] * m:
+            raise wrong(name, f"{where}: each forward took {b // m} rows: every replica trained on "
+                              f"the whole batch of {b}. Keep this replica's B/dp rows first "
+                              "(rows mesh.coords.dp·B/dp onwards), then cut them into "
+                              "micro-batches.",
+                        f"{b // (dp * m)} rows a forward")
+        raise wrong(name, f"{where}: the forwards took {r['rows']} rows: B/dp rows a replica, cut "
+                          f"into m = {m} equal micro-batches.", f"{[b // (dp * m)] * m}")
+    sends, reductions = _step_messages(tr)
+    ranks = next(g for g in group_lists(dp, pp_size, tp_size)["pp"] if rank in g)
+    want_peers = sorted(([ranks[c.pp + 1]] * m if c.pp < pp_size - 1 else [])
+                        + ([ranks[c.pp - 1]] * m if c.pp > 0 else []))
+    got_peers = sorted(e.peer for e in sends)
+    if got_peers != want_peers:
+        raise wrong(name, f"{where} (stage {c.pp}): sent to ranks {got_peers}: one activation to "
+                          "the next stage per forward (unless last), one gradient to the previous "
+                          "per backward (unless first), with comm.send or comm.isend so it is "
+                          "traced.", f"sends to ranks {want_peers}")
+    for key, g in r["grads"].items():
+        dim = r["dims"][key]
+        w = want[key] if dim is None else want[key].chunk(tp_size, dim)[c.tp]
+        if g is None or not g.abs().sum():
+            raise wrong(name, f"{where}: {key} got no gradient. Run each micro-batch's backward: "
+                              "the last stage from its loss, the others from the gradient the next "
+                              "stage sent back.")
+        if (g - w).abs().max().item() <= 1e-5:
+            continue
+        def close(k, g=g, w=w):
+            return torch.allclose(g, w * k, rtol=1e-4, atol=1e-6)
+
+        if close(m):
+            why = (f"it is {m} times one process's: divide each micro-batch's loss by m = {m}, so "
+                   "the micro-batches add up to the mean of the batch.")
+        elif dp > 1 and close(dp):
+            why = (f"it is {dp} times one process's: the all-reduce over mesh.dp_group sums the "
+                   f"replicas' gradients; divide by dp = {dp} to average them.")
+        elif dp > 1 and not reductions:
+            why = ("each replica kept the gradient of its own rows: after the last micro-batch, "
+                   "all-reduce every gradient over mesh.dp_group (comm.all_reduce, so it is "
+                   "traced) and divide by dp.")
+        else:
+            why = ("check that each backward feeds the gradient received for that micro-batch's "
+                   "output, and that the gradients are averaged over mesh.dp_group only.")
+        raise wrong(name, f"{where}: the gradient of {key} differs from one process's by "
+                          f"{(g - w).abs().max().item():.3g}: {why}")
+    sent = sum(e.bytes for e in reductions)
+    if dp > 1 and sent != r["grad_bytes"]:
+        raise wrong(name, f"{where}: the all-reduces over dp carried {sent:,} bytes, not the "
+                          f"{r['grad_bytes']:,} of this rank's gradients: each once, after the "
+                          "last micro-batch.", f"{r['grad_bytes']:,} bytes")
+    if c.pp == pp_size - 1:
+        if r["loss"] is None:
+            raise wrong(name, f"{where}: the last stage returned no loss: return the mean of its "
+                              "micro-batches' losses.")
+    elif r["loss"] is not None:
+        raise wrong(name, f"{where}: stage {c.pp} returned a loss, {r['loss']:.4f}; only the last "
+                          "stage computes one: return None elsewhere.")
+
+
+def check_train_step(fn, layouts=STEP_LAYOUTS, m: int = STEP_MICROBATCHES) -> None:
+    """``fn(stage, mesh, tokens, targets, m)``: one forward and backward of the global batch (B, S)
+    on this rank's tp-split stage (the model when pp = 1): this replica's rows in ``m``
+    micro-batches through the pipeline (sends and receives over ``mesh.pp_group``), the loss on the
+    last stage (vocabulary-parallel under tp), then the gradients averaged over ``mesh.dp_group``.
+    Returns the replica's loss on the last stage, else None."""
+    from minitp import trainer
+    from minitp.models import build_model, loss_fn
+    from minitp.parallel3d import Parallel3D
+
+    name = "the 3D step"
+    refuse_own_deep(name, fn, trainer.train_step, Parallel3D)
+    plain = build_model(_config(), seed=0)
+    tokens, targets = _step_batch()
+    loss = loss_fn(plain(tokens), targets)
+    loss.backward()  # one process, the whole batch
+    want = {n: p.grad for n, p in plain.named_parameters()}
+    for layout in layouts:
+        dp, pp_size, tp_size = layout
+        results = run_answer(_step_worker, dp * pp_size * tp_size, (fn, layout, m), name,
+                             timeout=60, hint=_STEP_HINT, hang_hint=_STEP_HANG)
+        traces = sorted(results.traces, key=lambda t: t.rank)
+        for rank, (r, tr) in enumerate(zip(results, traces)):
+            _check_step_rank(name, layout, m, rank, r, tr, want, loss.item())
+        last = [r["loss"] for rank, r in enumerate(results)
+                if coordinates(rank, dp, pp_size, tp_size).pp == pp_size - 1]
+        got = sum(last) / len(last)  # each replica's mean; the replicas' mean is the batch's
+        if not math.isclose(got, loss.item(), rel_tol=1e-5, abs_tol=1e-6):
+            why = (f" It is {m} times one process's: return the mean of the micro-batches' losses."
+                   if math.isclose(got, m * loss.item(), rel_tol=1e-4) else "")
+            raise wrong(name, f"{name} on dp={dp}, pp={pp_size}, tp={tp_size}: the last stage's "
+                              f"losses average {got:.6f}, not one process's.{why}",
+                        f"{loss.item():.6f}")
+    shown = ", ".join(f"dp{d}·pp{p}·tp{t}".replace("·pp1", "").replace("·tp1", "")
+                      .replace("dp1·", "") for d, p, t in layouts)
+    passed(name, f"on 4 ranks, {shown}, m = {m}: every gradient and the loss equal one process's; "
+                 "one activation and one gradient per micro-batch across each stage boundary; "
+                 "each gradient all-reduced once over dp")
+
+
+# -- exercise 3: clip by the global norm -----------------------------------------------------------
 # (dp, pp, tp, data parallel)
 # (dp, pp, tp, data parallel, cp, ep): cp splits each replica's sequences (the dp axis holds dp·cp
 # ranks); ep puts a MoE's experts over the first ep ranks of the dp axis
@@ -484,7 +648,7 @@ def check_clip_grad_norm(fn, layouts=CLIP_LAYOUTS) -> None:
                  "process, every gradient scaled as it scales them, one all-reduce")
 
 
-# -- exercise 3: the learning rate -----------------------------------------------------------------
+# -- exercise 4: the learning rate -----------------------------------------------------------------
 LR_CASES = [(100, 10, 3e-3, 0.1, (0, 4, 9, 10, 11, 55, 98, 99)),
             (300, 30, 1e-3, 0.0, (0, 29, 30, 164, 299)),
             (60, 6, 3e-3, 0.1, (0, 5, 6, 32, 59)),
@@ -540,7 +704,7 @@ def check_lr_schedule(fn) -> None:
     passed(name, "warm-up, then a cosine to min_ratio·lr, as minitp.trainer.lr_at")
 
 
-# -- exercise 4: how often to save -----------------------------------------------------------------
+# -- exercise 5: how often to save -----------------------------------------------------------------
 def wasted_fraction(interval: float, save_seconds: float, restart_seconds: float,
                     mtbf: float) -> float:
     """minitp's answer: saving costs save_seconds every interval of work; a failure (one every mtbf

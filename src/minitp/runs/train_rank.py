@@ -15,11 +15,13 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 
 from minitp import checkpoint
 from minitp import trace as _trace
 from minitp.data import Sampler, load_corpus
+from minitp.measure.operators import operators
 from minitp.mesh import Mesh
 from minitp.models import ModelConfig
 from minitp.parallel3d import Parallel3D
@@ -62,8 +64,11 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
             if s.kill_at == step and last_rank and not os.path.exists(kill_mark(s)):
                 open(kill_mark(s), "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, planted: the run must notice
+            # --profile: the last step's operators, nested under its spans in the trace
+            profiled = s.profile and recording is not None and step == s.steps - 1
             t0 = time.perf_counter()
-            loss, aux, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
+            with operators(recording) if profiled else nullcontext():
+                loss, aux, norm = train_step(par, *train.batch(step), lr_at(step, s), s.clip)
             loss, stopping = world_mean(loss, par.device, stop.asked, aux)
             seconds = time.perf_counter() - t0
             losses.append(loss)
@@ -72,6 +77,8 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
             record = {"step": done, "loss": round(loss, 5), "grad_norm": round(norm, 5),
                       "lr": lr_at(step, s), "seconds": round(seconds, 4),
                       "tokens_per_s": round(s.batch_size * s.seq_len / seconds)}
+            if profiled:  # its time holds the profiler's
+                record["profiled"] = True
             if peak_flops:
                 record["mfu"] = round(flops_per_step / seconds / (peak_flops * mesh.world_size), 4)
             if done == s.steps or (s.eval_every and done % s.eval_every == 0):

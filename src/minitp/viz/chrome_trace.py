@@ -3,7 +3,8 @@
 The format is one JSON object, ``{"traceEvents": [...], "displayTimeUnit": "ms"}``, whose events are
 slices (``"ph": "X"``, start ``ts`` and ``dur`` in microseconds) on a process (``pid``) and a thread
 (``tid``), named by metadata events (``"ph": "M"``). Here a process is a rank and a thread is a
-track: "compute" for its forward/backward/optimizer spans and one per mesh dimension ("dp", "tp",
+track: "compute" for its forward/backward/optimizer spans (with ``--profile``, PyTorch's operators
+nested under them: ``minitp.measure.operators``) and one per mesh dimension ("dp", "tp",
 "pp", ...) for its messages, with an arrow (a flow event) from each send to the receive that took
 it.
 
@@ -31,9 +32,9 @@ def _us(seconds: float) -> float:
 
 
 def _track(event: Event) -> str:
-    """Compute on "compute", a message on its group's dimension ("comm" for a group nobody
-    named)."""
-    return "compute" if event.kind == "compute" else event.dim or "comm"
+    """Compute (minitp's spans and, profiled, PyTorch's operators inside them) on "compute", a
+    message on its group's dimension ("comm" for a group nobody named)."""
+    return "compute" if event.kind in ("compute", "op") else event.dim or "comm"
 
 
 def _track_order(name: str) -> tuple:
