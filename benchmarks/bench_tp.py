@@ -31,31 +31,13 @@ PLANS = ("same-messages", "default-plan")
 
 
 def _dtensor_plan(same_messages: bool) -> tuple[dict, dict]:
-    """(the model-level plan, the plan of each block)."""
-    import inspect
+    """(the model-level plan, the plan of each block): ``minitp.runs.pytorch.tp_plan``, the one
+    ``minitp run tp --impl torch`` runs; without its ``PrepareModuleInput`` for the default plan."""
+    from minitp.runs.pytorch import tp_plan
 
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-    )
-
-    from minitp.models.llama import Attention
-
-    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows; output all-reduced
-           "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}  # logits (B, S, V/tp)
-    block = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-             "feed_forward.w2": RowwiseParallel()}
-    if same_messages:
-        shared = dict(desired_input_layouts=(Replicate(),), use_local_output=False)
-        # attention(x, cos, sin, cache, attend): only x is laid out, one entry per argument
-        inputs = (Replicate(),) + (None,) * (len(inspect.signature(Attention.forward).parameters) - 2)
-        block["attention"] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=inputs,
-                                                use_local_output=False)
-        block["feed_forward"] = PrepareModuleInput(input_layouts=(Replicate(),), **shared)
+    top, block = tp_plan()
+    if not same_messages:
+        block = {k: v for k, v in block.items() if k not in ("attention", "feed_forward")}
     return top, block
 
 

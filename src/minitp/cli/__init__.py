@@ -38,6 +38,7 @@ from minitp import runs  # noqa: F401  (registers every strategy)
 from minitp.cli import grade, plan, train
 from minitp.cli import run as run_command
 from minitp.launcher import LaunchError, RankError
+from minitp.runs.pytorch import STRATEGIES as TORCH_STRATEGIES
 from minitp.runs.registry import STRATEGIES, Option, OptionError
 
 # what a rank may raise that is the input's or the disk's fault, not the code's: said in the rank's
@@ -137,6 +138,11 @@ def _main(argv: list[str] | None) -> int:
                                     description=strategy.summary)
         for option in strategy.all_options():
             _add_option(one, option)
+        if strategy.name in TORCH_STRATEGIES:
+            one.add_argument("--impl", choices=("minitp", "torch"), default="minitp",
+                             help="torch: also run PyTorch's own implementation of the same layout "
+                             "(DDP, fully_shard, parallelize_module, pipelining, a DeviceMesh) and "
+                             "report it beside minitp's")
         one.add_argument("--json", metavar="PATH", help="also write the report as JSON")
         one.add_argument("--trace-out", metavar="FILE",
                          help="also write every rank's compute spans and messages "

@@ -19,7 +19,15 @@ def run(args: argparse.Namespace) -> int:
     if first_rank():
         check_output_file("--json", args.json)
         check_output_file("--trace-out", args.trace_out)
-    report = strategy.runner(**values)
+    if getattr(args, "impl", "minitp") == "torch":
+        from minitp.runs.pytorch import run_torch
+
+        if args.trace_out:
+            raise ValueError("--trace-out draws minitp's trace; --impl torch counts PyTorch's "
+                             "calls without one: leave one of them out")
+        report = run_torch(args.strategy, **values)
+    else:
+        report = strategy.runner(**values)
     if not first_rank():  # every rank holds the whole report; the first one prints and writes it
         return 1 if report.check() else 0
     print(report.format())
