@@ -23,6 +23,7 @@ import traceback
 from minitp.launcher import LaunchTimeout, RankError, launch
 
 HANG_HINT = "Every rank must join every collective (the same ones, in the same order)."
+LONGEST = 400  # characters of a rank's error line shown
 NOT_DONE = "not done yet (the function still raises NotImplementedError)."
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../minitp
@@ -201,7 +202,11 @@ def learner_frames(remote_traceback: str) -> str:
         innermost = path is not None and (index + 1 == len(blocks) or blocks[index + 1][0] is None)
         if path is None or innermost or not _is_machinery(path):
             kept.extend(block)
-    return "\n".join(kept) + "\n"
+    return "\n".join(_shortened(line) for line in kept) + "\n"
+
+
+def _shortened(line: str) -> str:
+    return f"{line[:LONGEST]} … ({len(line):,} characters)" if len(line) > LONGEST else line
 
 
 def call_answer(name: str, answer, *args, hint: str = "", **kwargs):
@@ -235,6 +240,7 @@ def run_answer(worker, nprocs: int, args: tuple, name: str, timeout: float = 30.
                                 "the check again.") from None
         last = (err.remote_traceback.strip().splitlines()[-1] if err.remote_traceback.strip()
                 else str(err))
+        last = _shortened(last)  # DTensor's errors print every tensor's spec on one line
         raise ExerciseError(f"{name}: on {nprocs} ranks, rank {err.rank} raised {last}"
                             + (f"\n{hint}" if hint else "")
                             + f"\n\nRank {err.rank}'s traceback (your "

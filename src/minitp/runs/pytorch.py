@@ -1,10 +1,10 @@
 """The same runs in PyTorch's own API, beside minitp's: ``minitp run STRATEGY --impl torch``.
 
-Everything minitp builds from scratch, PyTorch ships; ``NAMES`` gives the names a learner uses at
-work (minitp's, PyTorch's, and torchtitan's config key for the same degree). For ddp, fsdp, tp, pp
-and 3d, ``run_torch`` runs minitp's checked run of the strategy (its runner), then PyTorch's own
-implementation of the same layout on the same model (``minitp.models``, the same seed) and
-batches, and reports PyTorch's losses and parameters against the same one process
+Everything minitp builds from scratch, PyTorch ships, under the names a learner uses at work (each
+strategy chapter ends with a table: minitp's name, PyTorch's, torchtitan's config key). For ddp,
+fsdp, tp, pp and 3d, ``run_torch`` runs minitp's checked run of the strategy (its runner), then
+PyTorch's own implementation of the same layout on the same model (``minitp.models``, the same
+seed) and batches, and reports PyTorch's losses and parameters against the same one process
 (``references.full_batch``) and its bytes per mesh dimension beside minitp's traced ones:
 
 - ddp: ``torch.nn.parallel.DistributedDataParallel`` (buckets capped at ``bucket_mb``, no
@@ -32,6 +32,7 @@ wrapping of the model to the last step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -44,21 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minitp import trace as _trace
 from minitp.layout import AXES
 
-# minitp -> PyTorch -> torchtitan's config key (its job .toml), for the chapters' tables
-NAMES = (
-    ("mesh.Mesh(dp, pp, tp)", "init_device_mesh('cpu', (dp, pp, tp), mesh_dim_names=...)",
-     "[parallelism] *_degree"),
-    ("ddp.DistributedDataParallel", "torch.nn.parallel.DistributedDataParallel",
-     "data_parallel_replicate_degree"),
-    ("fsdp.FullyShardedDataParallel", "torch.distributed.fsdp.fully_shard",
-     "data_parallel_shard_degree"),
-    ("tp.parallelize", "parallelize_module: ColwiseParallel, RowwiseParallel",
-     "tensor_parallel_degree"),
-    ("tp.vocab_parallel_cross_entropy", "loss_parallel()", "disable_loss_parallel = false"),
-    ("pp.Pipeline(schedule=...)", "pipelining.PipelineStage + Schedule1F1B",
-     "pipeline_parallel_degree, pipeline_parallel_schedule"),
-    ("checkpoint.save / load", "torch.distributed.checkpoint (DCP)", "[checkpoint] enable"),
-)
 STRATEGIES = ("ddp", "fsdp", "tp", "pp", "3d")
 # what each strategy's --impl torch run takes beyond the common options; the others are minitp's
 OPTIONS = {"ddp": ("bucket_mb",), "fsdp": ("zero",), "tp": (), "pp": ("microbatches", "schedule"),
@@ -322,6 +308,8 @@ def _torch_worker(strategy: str, model_name: str, train, o: dict) -> dict:
     named = {tuple(g): dim for dim, groups in group_lists(layout["dp"], layout["pp"],
                                                           layout["tp"]).items()
              for g in groups if len(g) > 1}
+    # DTensor logs from every rank when a gather takes two steps (a 3-D mesh's full_tensor)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     counter = CommCounter()
     losses, _, piece, optimizer, replica, last = _train(strategy, cfg, train, o, counter)
     state = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -498,5 +486,5 @@ def run_torch(strategy: str, **values) -> TorchRun:
                     [r["memory"] for r in results], [r["step_s"] for r in results])
 
 
-__all__ = ["NAMES", "STRATEGIES", "CommCounter", "TorchRun", "by_dim", "run_torch", "torch_tp",
+__all__ = ["STRATEGIES", "CommCounter", "TorchRun", "by_dim", "run_torch", "torch_tp",
            "tp_plan"]
