@@ -287,9 +287,17 @@ def test_a_profiled_training_step_nests_operators_under_its_spans_on_every_rank(
         assert inside / len(ops) > 0.8, f"rank {rank}: {len(ops) - inside} of {len(ops)} operators outside every span"
 
 
-def test_profile_without_a_trace_is_refused(capsys):
-    assert cli.main(["train", "--steps", "1", "--profile"]) == 2
-    assert "--profile adds the last step's operators to the trace: give --trace-out FILE too" in capsys.readouterr().err
+def test_profile_prints_where_the_last_steps_time_went(capsys):
+    assert cli.main(["train", "--dp", "2", "--steps", "2", "--batch-size", "4", "--seq-len", "32",
+                     "--corpus", COURSE_CORPUS, "--eval-every", "0", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "where the last step's time went" in out
+    head, *rows = out.split("where the last step's time went")[1].splitlines()[1:4]
+    assert head.split() == ["rank", "step", "ms", "matmul", "attention", "elementwise", "optimizer",
+                            "communication", "python"]
+    for rank, row in enumerate(rows):  # each rank's shares of its step add up to all of it
+        cells = row.split()
+        assert cells[0] == str(rank) and sum(int(c.rstrip("%")) for c in cells[2:]) in range(98, 103)
 
 
 def test_each_moment_of_a_step_counts_as_the_innermost_operator_or_the_wait():

@@ -20,9 +20,6 @@ def train(args: argparse.Namespace) -> int:
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out DIR: the folder whose checkpoint to continue from")
-    if args.profile and not args.trace_out:
-        raise ValueError("--profile adds the last step's operators to the trace: give --trace-out "
-                         "FILE too")
     # train makes --out, nothing else
     check_output_file("--trace-out", args.trace_out, made_folder=args.out)
     s = trainer.Settings(
@@ -68,12 +65,12 @@ def train(args: argparse.Namespace) -> int:
         write_chrome_trace(args.trace_out, results.traces, coords=coords)
         print(f"the last step's trace written to {args.trace_out}"
               + (" (with its operators: torch.profiler)" if args.profile else ""))
-        if args.profile:
-            from minitp.measure.operators import format_shares, shares
+    if args.profile:
+        from minitp.measure.operators import format_shares, shares
 
-            print("where the last step's time went, by each operator's own time (the profiler "
-                  "adds a few µs to each):")
-            print(format_shares([shares(t.events) for t in results.traces]))
+        print("where the last step's time went (torch.profiler's operators, minitp's messages; "
+              "the profiler adds a few µs to each operator):")
+        print(format_shares([shares(t.events) for t in results.traces]))
     if results[0]["stopped"]:
         signum = next((r["signal"] for r in results if r.get("signal")), signal.SIGINT)
         by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -136,8 +133,9 @@ def train_options():
         Option("kill_at", int, None, "the last rank dies at step N, once (to watch a restart)",
                low=0, optional=True),
         Option("profile", bool, False,
-               "with --trace-out: PyTorch's CPU operators of the last step (torch.profiler), "
-               "nested under its spans in the trace"),
+               "profile the last step (torch.profiler): print where its time went (matmul, "
+               "attention, elementwise, optimizer, communication, Python); with --trace-out its "
+               "operators go into the trace, nested under its spans"),
     )
 
 

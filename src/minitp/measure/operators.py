@@ -2,9 +2,12 @@
 made of, on the same timeline as its messages.
 
 ``with operators(trace): ...`` runs the block under ``torch.profiler`` (CPU activity) and adds one
-``Event(kind="op")`` per operator it saw (``aten::mm``, ``aten::_softmax``, gloo's collectives...)
-to ``trace``, so ``minitp.viz.chrome_trace`` draws them on the rank's "compute" track, nested under
-the span that ran them (``minitp train --trace-out FILE --profile``).
+``Event(kind="op")`` per operator it saw (``aten::mm``, ``aten::_softmax``, a collective's call
+``c10d::allreduce_``...) to ``trace``, so ``minitp.viz.chrome_trace`` draws them on the rank's
+"compute" track, nested under the span that ran them (``minitp train --profile --trace-out FILE``).
+``timeline`` and ``shares`` then say what each moment of the step was: the innermost operator's
+kind of work, or a wait for a message, or Python (``minitp train --profile`` prints the shares,
+``minitp.viz.profile`` draws the timeline).
 
 The profiler keeps its own clock (microseconds from its start, the start on the wall clock), and
 minitp's spans keep ``time.perf_counter``'s. Converting one into the other through the wall clock
