@@ -196,6 +196,7 @@ def _with_torch_pipelining(train, m):
     from minitp.models import build_model, get_config, loss_fn
     from minitp.models.train import make_optimizer, synthetic_batches
     from minitp.pp import Pipeline, PipelineStage
+    from minitp.runs.pytorch import pipeline_step
 
     cfg, rank, world = get_config("tiny"), dist.get_rank(), dist.get_world_size()
     out = {}
@@ -211,14 +212,7 @@ def _with_torch_pipelining(train, m):
             losses["minitp"].append(ours.forward_backward(tokens, targets).loss)
             ours_opt.step()
             theirs_opt.zero_grad()
-            mb_losses = []
-            if rank == 0:
-                schedule.step(tokens)
-            elif rank == world - 1:
-                schedule.step(target=targets, losses=mb_losses)
-            else:
-                schedule.step()
-            losses["torch"].append(sum(x.item() for x in mb_losses) / m if mb_losses else None)
+            losses["torch"].append(pipeline_step(schedule, rank, world, tokens, targets))
             theirs_opt.step()
         out[name] = {"minitp": ours.state_dict(), "torch": {k: v.detach().clone() for k, v in
                                                             module.state_dict().items()}, "losses": losses}

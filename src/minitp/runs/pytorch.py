@@ -283,18 +283,25 @@ def _train(strategy: str, cfg, train, o: dict, counter: CommCounter | None):
                     loss.backward()
                     loss = loss.item()
                 else:
-                    kept: list = []
-                    if stage == 0:
-                        schedule.step(x)
-                    elif stage == stages - 1:
-                        schedule.step(target=y, losses=kept)
-                    else:
-                        schedule.step()
-                    loss = statistics.fmean(t.item() for t in kept) if kept else None
+                    loss = pipeline_step(schedule, stage, stages, x, y)
             optimizer.step()
             times.append(time.perf_counter() - t0)
             losses.append(loss)
     return losses, times, piece, optimizer, replica, stage == stages - 1
+
+
+def pipeline_step(schedule, stage: int, stages: int, tokens, targets) -> float | None:
+    """One step of a ``torch.distributed.pipelining`` schedule on this rank: the first stage feeds
+    the tokens, the last the targets (and gets each micro-batch's loss), the others neither.
+    Returns the mean of the micro-batches' losses on the last stage, else None."""
+    kept: list = []
+    if stage == 0:
+        schedule.step(tokens)
+    elif stage == stages - 1:
+        schedule.step(target=targets, losses=kept)
+    else:
+        schedule.step()
+    return statistics.fmean(t.item() for t in kept) if kept else None
 
 
 def _torch_worker(strategy: str, model_name: str, train, o: dict) -> dict:
@@ -486,5 +493,5 @@ def run_torch(strategy: str, **values) -> TorchRun:
                     [r["memory"] for r in results], [r["step_s"] for r in results])
 
 
-__all__ = ["STRATEGIES", "CommCounter", "TorchRun", "by_dim", "run_torch", "torch_tp",
-           "tp_plan"]
+__all__ = ["STRATEGIES", "CommCounter", "TorchRun", "by_dim", "pipeline_step", "run_torch",
+           "torch_tp", "tp_plan"]
