@@ -37,8 +37,8 @@ from __future__ import annotations
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 
 
@@ -106,10 +106,8 @@ class Trace:
     clock_offset: float = field(default_factory=lambda: time.time() - time.perf_counter())
     _scopes: list[str] = field(default_factory=list, repr=False)
     _tags: list[dict] = field(default_factory=list, repr=False)
-    # while ``minitp.measure.operators`` profiles: each span also opens a profiler mark, and the
-    # spans that did are kept here, in order, to line the profiler's clock up with this one
-    profiling: bool = field(default=False, repr=False)
-    marked: list[Event] = field(default_factory=list, repr=False)
+    # what each span also opens around its compute (a profiler's mark: ``measure.operators``)
+    mark: Callable[[Event], AbstractContextManager] | None = field(default=None, repr=False)
 
     # -- recording ----------------------------------------------------------------------------
     def label(self, label: str) -> str:
@@ -143,20 +141,12 @@ class Trace:
         """Time a piece of compute: ``with trace.span("backward", "layers.1"): ...``."""
         event = Event(self.rank, "compute", name, self.label(label), time.perf_counter(), 0.0,
                       **self.tags())
-        profiling = self.profiling
         try:
-            if profiling:
-                from torch.profiler import record_function
-
-                with record_function(PROFILER_MARK + name):
-                    yield event
-            else:
+            with self.mark(event) if self.mark is not None else nullcontext():
                 yield event
         finally:
             event.end = time.perf_counter()
-            event = self.add(event)
-            if profiling:
-                self.marked.append(event)
+            self.add(event)
 
     # -- reading ------------------------------------------------------------------------------
     def comm(self) -> list[Event]:
@@ -173,11 +163,7 @@ class Trace:
 
     def clear(self) -> None:
         self.events.clear()
-        self.marked.clear()
 
-
-# the name of the profiler mark a span opens while profiling: "minitp/<op>"
-PROFILER_MARK = "minitp/"
 
 # The traces recording on this process, innermost last. A stack rather than one global so that
 # nested recordings (a test inside a launched rank, say) each see their own calls.

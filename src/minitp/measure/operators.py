@@ -26,8 +26,9 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from minitp.trace import PROFILER_MARK as MARK
 from minitp.trace import Event, Trace
+
+MARK = "minitp/"  # the profiler mark a span opens while profiling: "minitp/forward"
 
 # the backend's record of a collective while it is in flight: it outlives the call that started it
 # (an asynchronous bucket runs on after backward's span ends) and is minitp's message already, on
@@ -38,24 +39,27 @@ IN_FLIGHT = ("gloo:", "nccl:")
 @contextmanager
 def operators(trace: Trace) -> Iterator[None]:
     """Profile the block's CPU operators into ``trace`` (one ``Event(kind="op")`` each)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    trace.marked.clear()
-    trace.profiling = True
+    marked: list[Event] = []  # the spans that opened a mark, in the order they began
+
+    def mark(span: Event):
+        marked.append(span)
+        return record_function(MARK + span.op)
+
+    trace.mark = mark
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             yield
     finally:
-        trace.profiling = False
-    spans = sorted(trace.marked, key=lambda e: e.start)
-    trace.marked.clear()
-    trace.events.extend(operator_events(prof.events(), spans, trace.rank))
+        trace.mark = None
+    trace.events.extend(operator_events(prof.events(), marked, trace.rank))
 
 
 def operator_events(profiled, spans: list[Event], rank: int) -> list[Event]:
     """The profiler's operators (``FunctionEvent``s, times in µs from its start) as events on the
-    spans' clock. ``spans``: the spans that opened a mark while it ran (``Trace.marked``), by
-    start; the marks pair with them in the same order. None when they do not pair."""
+    spans' clock. ``spans``: the spans that opened a mark while it ran, in the order they began;
+    the marks pair with them in the same order. None when they do not pair."""
     marks = sorted((f for f in profiled if f.name.startswith(MARK)),
                    key=lambda f: f.time_range.start)
     names = [f.name for f in marks], [MARK + s.op for s in spans]
