@@ -15,12 +15,14 @@ is off by a few hundred microseconds, more than many operators last. So while th
 every ``Trace.span`` also opens a ``torch.profiler.record_function`` named ``minitp/<name>``: the
 k-th span and the k-th mark are the same piece of work seen by both clocks, and an operator is
 moved by the offset of the innermost mark it ran in. It then lies inside its span, as it did inside
-the mark. An operator outside every mark (the clipping's, between backward and the optimizer) moves
-by the median offset, and by the few microseconds more that keep it clear of the spans' edges.
+the mark (the mark's length kept no longer than the span's: the clocks tick at rates a hair apart).
+An operator outside every mark (the clipping's, between backward and the optimizer) moves by the
+median offset, and by the few microseconds more that keep it clear of the spans' edges.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from collections.abc import Iterator
@@ -68,28 +70,55 @@ def operator_events(profiled, spans: list[Event], rank: int) -> list[Event]:
                       f"trace holds {len(spans)} (or in another order): its operators are left "
                       "out of the trace", RuntimeWarning, stacklevel=2)
         return []
-    # mark id -> seconds to add to its profiler time
-    offsets = {mark.id: span.start - mark.time_range.start / 1e6
-               for mark, span in zip(marks, spans)}
-    median = statistics.median(offsets.values())
-    loose: dict[int, float] = {}  # the shift of each operator tree that ran outside every mark
+    paired = {mark.id: (mark, span) for mark, span in zip(marks, spans)}
+    median = statistics.median(span.start - mark.time_range.start / 1e6
+                               for mark, span in paired.values())
+    kept = [f for f in profiled if not f.name.startswith(MARK) and
+            not f.name.startswith(IN_FLIGHT)]
+    loose: dict[int, float] = {}  # each tree that ran outside every mark: seconds to add to it
+    placed_end = -math.inf
+    for root in sorted((f for f in kept if _holder(f, paired) is None and f.cpu_parent is None),
+                       key=lambda f: f.time_range.start):
+        start, end = root.time_range.start / 1e6 + median, root.time_range.end / 1e6 + median
+        for _ in range(len(spans) + 1):  # clear of every span's edge, after the tree before
+            move = _clear_of(spans, start, end)
+            move = max(move, placed_end - start)
+            if move <= 0:
+                break
+            start, end = start + move, end + move
+        loose[root.id] = start - root.time_range.start / 1e6
+        placed_end = end
     out = []
-    for f in profiled:
-        if f.name.startswith(MARK) or f.name.startswith(IN_FLIGHT):
-            continue
-        node, shift = f, None
-        while node.cpu_parent is not None and shift is None:
-            node = node.cpu_parent
-            shift = offsets.get(node.id)
-        if shift is None:  # outside every mark: its tree moves as one, clear of the spans
-            if node.id not in loose:
-                loose[node.id] = _clear_of(spans, node.time_range.start / 1e6 + median,
-                                           node.time_range.end / 1e6 + median) + median
-            shift = loose[node.id]
-        out.append(Event(rank, "op", f.name, "", f.time_range.start / 1e6 + shift,
-                         f.time_range.end / 1e6 + shift))
+    for f in kept:
+        holder = _holder(f, paired)
+        if holder is None:  # outside every mark: its tree's shift
+            root = f
+            while root.cpu_parent is not None:
+                root = root.cpu_parent
+            shift = loose.get(root.id, median)
+            start, end = f.time_range.start / 1e6 + shift, f.time_range.end / 1e6 + shift
+        else:
+            start, end = (_on_span(t, *paired[holder.id]) for t in (f.time_range.start,
+                                                                     f.time_range.end))
+        out.append(Event(rank, "op", f.name, "", start, end))
     return out
 
+
+def _holder(f, paired):
+    """The innermost mark ``f`` ran in (a ``FunctionEvent`` in ``paired``), or None."""
+    node = f.cpu_parent
+    while node is not None and node.id not in paired:
+        node = node.cpu_parent
+    return node
+
+
+def _on_span(t_us: float, mark, span: Event) -> float:
+    """A profiler time inside ``mark`` on the span's clock: the mark's start on the span's, its
+    length no longer than the span's (the two clocks tick at rates a hair apart, and a long span's
+    last operator must still end inside it)."""
+    length = (mark.time_range.end - mark.time_range.start) / 1e6
+    scale = min(1.0, (span.end - span.start) / length) if length > 0 else 1.0
+    return span.start + (t_us - mark.time_range.start) / 1e6 * scale
 
 
 def _clear_of(spans: list[Event], start: float, end: float) -> float:
