@@ -203,22 +203,24 @@ def test_10_full_recomputation_repeats_forwards_two_collectives_per_block():
 def test_10_the_layouts_memory_step_and_mfu():
     row, text = layout_70b(), text10()
     assert f"{row['memory_total'] / GIB:.1f} GiB" == "66.5 GiB" and "66.5 GiB" in text
-    assert f"predicted {row['step_s']:.2f} s" == "predicted 9.08 s" and "in the predicted 9.08 s" in text
-    assert f"predicted {row['step_s']:.1f} s per step, MFU {percent(row['mfu'])}" in text  # the summary: 9.1 s, 45 %
+    assert f"predicted {row['step_s']:.2f} s" == "predicted 8.60 s" and "in the predicted 8.60 s" in text
+    assert f"predicted {row['step_s']:.1f} s per step, MFU {percent(row['mfu'])}" in text  # the summary: 8.6 s, 47 %
     assert f"{row['time']['tp_s']:.2f} s of the {row['step_s']:.2f} s step" in text
     t = row["time"]
-    assert t["dp_s"] <= t["compute_s"] * 2 / 3 / row["microbatches"] and t["dp_exposed_s"] == 0  # ZeRO-1's window
+    window = t["compute_s"] * 2 / 3 / row["microbatches"]  # ZeRO-1's: the last micro-batch's backward
+    assert t["dp_exposed_s"] == pytest.approx(t["dp_s"] - window) and 0 < t["dp_exposed_s"] < 0.01  # it nearly fits
     assert "reduce-scatter and all-gather count as hidden when they fit in the last micro-batch's backward" in text
     assert t["step_s"] == pytest.approx(t["compute_s"] + t["bubble_s"] + t["tp_s"] + t["pp_s"] + t["dp_exposed_s"])
     assert t["bubble_s"] == pytest.approx(t["compute_s"] * (4 - 1) / row["microbatches"])
 
 
-def test_10_mfu_by_hand_is_45_percent():
+def test_10_mfu_by_hand_is_47_percent():
+    """MFU counts attention's FLOPs whole (PaLM's convention); the step a causal kernel takes runs half."""
     tokens = 64 * 8192
-    by_hand = tokens * (6 * 70.6e9 + 12 * 80 * 8192 * 8192) / (9.08 * 64 * 989e12)
-    assert round(by_hand, 2) == round(layout_70b()["mfu"], 2) == 0.45
+    by_hand = tokens * (6 * 70.6e9 + 12 * 80 * 8192 * 8192) / (8.60 * 64 * 989e12)
+    assert round(by_hand, 2) == round(layout_70b()["mfu"], 2) == 0.47
     assert (LLAMA3_70B.n_layers, LLAMA3_70B.dim, round(LLAMA3_70B.num_params() / 1e9, 1)) == (80, 8192, 70.6)
-    assert "over $9.08 \\cdot 64 \\cdot 989$ TFLOP/s, about 45 %" in text10()
+    assert "over $8.60 \\cdot 64 \\cdot 989$ TFLOP/s, about 47 %" in text10()
 
 
 def test_10_tensor_parallel_bandwidth_and_latency():
@@ -247,12 +249,12 @@ def test_10_less_tensor_parallel_does_not_fit_with_sequence_parallel_alone():
 def test_10_overlap_budget_and_the_ridge():
     text = text10()
     per_block = (LLAMA3_70B.num_params() - 2 * LLAMA3_70B.vocab_size * LLAMA3_70B.dim - LLAMA3_70B.dim) // 80
-    flops = 2 * per_block / 8 * 8192 + 4 * 8192 * 8192 * LLAMA3_70B.dim / 8
+    flops = 2 * per_block / 8 * 8192 + 2 * 8192 * 8192 * LLAMA3_70B.dim / 8  # a causal kernel: half the scores
     forward = cost.compute_time(flops, H100)
     sent = cost.tp_block_bytes(1, 8192, LLAMA3_70B.dim, 8, dtype_bytes=2) / 2
     inside, across = (sent / cost.overlap_budget_bytes(forward, link) for link in (H100.intra, H100.inter))
-    assert round(inside, 2) == 0.31 and "cost about a third of the compute" in text
-    assert round(across, 2) == 2.75 and "nearly three times as long as the compute" in text
+    assert round(inside, 2) == 0.33 and "cost about a third of the compute" in text
+    assert round(across, 2) == 2.95 and "nearly three times as long as the compute" in text
     ridge = H100.flops_per_s / H100.memory_bytes_per_s
     assert f"(about {ridge:.0f} on an H100: 989 TFLOP/s over HBM3's 3.35 TB/s)" in text
     assert cost.arithmetic_intensity(1, LLAMA3_70B.dim, LLAMA3_70B.ffn_hidden // 8) == pytest.approx(1, abs=0.01)

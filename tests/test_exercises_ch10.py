@@ -121,7 +121,7 @@ def test_mfu_equals_the_time_models_and_names_the_usual_slips(capsys):
 def test_the_chapter_10_problems_are_the_numbers_by_hand():
     row = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
     assert ch10.PROBLEMS[1].want() == pytest.approx(15e12 / (32 * 64 * 8192 / row["step_s"]) / 86400)
-    assert round(ch10.PROBLEMS[1].want()) == 94 and round(row["step_s"], 2) == 9.08
+    assert round(ch10.PROBLEMS[1].want()) == 89 and round(row["step_s"], 2) == 8.60
     m = int(ch10.PROBLEMS[2].want())
     ridge = 989e12 / 3.35e12
     assert cost.arithmetic_intensity(m, 8192, 3584) >= ridge > cost.arithmetic_intensity(m - 1, 8192, 3584)

@@ -268,14 +268,18 @@ def cp_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp:
     activations of threed's B·cp rows over dp·cp replicas of sequences S/cp, and its gradients are
     averaged over those dp·cp ranks; the ring carries the stage's blocks' keys and values, Hkv/tp
     heads of B/dp rows (``attention``: "ulysses" or "allgather", that way's bytes instead,
-    ``cp_kind_attention_bytes``). Full recomputation repeats tensor parallel's forward messages but
-    not cp's: the count keeps the attention's forward once, whichever the way."""
+    ``cp_kind_attention_bytes``). Full recomputation runs each block's forward again before its
+    backward, messages included: tensor parallel's forward all-reduces, and the attention's forward
+    messages (the ring's keys and values, Ulysses' four all-to-alls, the all-gathers), once more."""
     check_divisible("seq_len", seq, "cp", cp)
     sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel,
                              zero, activation_bytes=activation_bytes, param_bytes=param_bytes,
                              grad_bytes=grad_bytes, sequence_parallel=sequence_parallel,
                              recompute=recompute, virtual_stages=virtual_stages)
-    sent["cp"] = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages) * cp_kind_attention_bytes(
-        attention, batch // dp, seq, cfg.n_heads // tp, cfg.kv_heads // tp, cfg.head_dim, cp,
-        activation_bytes)
+    blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
+    heads = (cfg.n_heads // tp, cfg.kv_heads // tp, cfg.head_dim, cp, activation_bytes)
+    sent["cp"] = blocks * cp_kind_attention_bytes(attention, batch // dp, seq, *heads)
+    if recompute_mode(recompute) == "full":  # the recomputed forward's messages
+        sent["cp"] += blocks * cp_kind_attention_bytes(attention, batch // dp, seq, *heads,
+                                                        backward=False)
     return sent

@@ -87,6 +87,10 @@ class Device:
     tp_own_s: float = 0.0  # CPU only: the same for its tensor parallel
     cp_op_s: float = 0.0  # CPU only: one operation ring attention adds (0: op_s)
     ep_op_s: float = 0.0  # CPU only: one operation a MoE adds (0: op_s)
+    # the attention kernel skips a causal mask's empty half (FlashAttention's blocks above the
+    # diagonal, on the GPU sheets); minitp's attention on this machine computes every score, then
+    # masks (False)
+    causal_skip: bool = True
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -135,4 +139,5 @@ def device_from_calibration(cal: dict) -> Device:
                   busy_slowdown=cal.get("busy_slowdown"), ddp_own_s=cal.get("ddp_own_s", 0.0),
                   fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0),
                   # null: not measured
-                  cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0)
+                  cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0,
+                  causal_skip=False)

@@ -12,10 +12,12 @@ Training costs about **6Ψ FLOPs per token** (2Ψ forward: one multiply-add per 
 backward: the gradients of the activations and of the weights; Ψ the *active* parameters of a MoE,
 those a token goes through: its k experts of each layer, ``active_params``), plus attention's scores
 and weighted sum, **12·L·D·S per token** (2·2·S·D forward per layer and token, twice that backward;
-counted whole, as PaLM's MFU does, though a causal mask could skip half). MFU (model FLOPs
-utilisation) divides those model FLOPs by what the GPUs could have done in the step at their
-published peak; recomputation's extra forward is work the hardware does but the model does not
-count.
+counted whole in the model's FLOPs, as PaLM's MFU does). A causal kernel skips the masked half of
+the scores (FlashAttention's blocks above the diagonal): the time of a step charges half of them on
+the GPU sheets (``Device.causal_skip``), all of them on this machine, whose attention computes every
+score and then masks. MFU (model FLOPs utilisation) divides the model FLOPs by what the GPUs could
+have done in the step at their published peak; recomputation's extra forward is work the hardware
+does but the model does not count.
 
 A collective on a ring of n ranks takes (n-1) steps per phase (an all-reduce has two phases), each
 one message of B/n bytes: T = phases·(n-1)·α + (bytes the rank sends)/β. A point-to-point send takes
@@ -260,7 +262,8 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     ``minitp.cost.context``). A rank then computes (B/dp)·(S/cp) tokens; tensor and pipeline
     parallel move activations of S/cp positions; the gradients are averaged over the dp·cp ranks
     that hold the same weights; the ring's keys and values hide behind the attention compute
-    they feed (the 12·L·D·S FLOPs per token), and only what exceeds it is exposed.
+    they feed (the 12·L·D·S FLOPs per token, half of them under a causal kernel), and only what
+    exceeds it is exposed.
     cp_attention: how attention crosses the cp group (``minitp.cost.context.CP_ATTENTIONS``). "ring"
     as above. "ulysses": four all-to-alls forward and four backward per block, each of c-1 message
     steps, counted whole: the heads' attention waits for the first three, the output projection for
@@ -294,9 +297,15 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     b = 2 if precision in ("bf16", "fp16") else 4
     tokens = batch * seq
     model_flops = tokens * training_flops_per_token(cfg, seq)
-    rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)) / gpus
+    # what the device runs: a causal kernel skips half of the scores' FLOPs (the model counts them
+    # whole), those of the recomputed forward too
+    scores = (12 + (4 if recompute != "none" else 0)) * cfg.n_layers * cfg.dim * seq
+    skipped = tokens * scores / 2 if device.causal_skip else 0.0
+    rank_flops = (model_flops + tokens * recompute_flops_per_token(cfg, seq, recompute)
+                  - skipped) / gpus
     compute = compute_time(rank_flops, device, gpus)
-    attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq / gpus, device, gpus)
+    attention = compute_time(tokens * 12 * cfg.n_layers * cfg.dim * seq
+                             * (0.5 if device.causal_skip else 1.0) / gpus, device, gpus)
     # the fixed costs, on the stage's share of the model: each micro-batch's forward+backward with
     # the strategies' own code (ZeRO-1/2's is not measured), the step's optimizer once, and each
     # small operation the strategy adds
@@ -364,15 +373,19 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
     FSDP's gathers and reduce-scatters per unit;
     cp: per micro-batch and block, c-1 hops forward and (c-1) + c backward (the ring); Ulysses'
     eight all-to-alls, or the all-gather's two all-gathers and two reduce-scatters (keys and
-    values), c-1 each; ep: per micro-batch and MoE layer, five all-to-alls of e-1 steps each: the
-    dispatch's counts, then its rows, the combine, and the two gradients (the counts have none)."""
+    values), c-1 each; with full recomputation the forward's again; ep: per micro-batch and MoE
+    layer, five all-to-alls of e-1 steps each: the dispatch's counts, then its rows, the combine,
+    and the two gradients (the counts have none)."""
     tp, pp, dp = sizes["tp"], sizes["pp"], sizes["dp"]
     cp, ep = sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
     out = {"tp": m * (per_block * blocks + ends) * 2 * (tp - 1), "pp": 2 * m * virtual_stages
            if pp > 1 else 0, "dp": 0,
-           "cp": m * blocks * {"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1),
-                               "allgather": 4 * (cp - 1)}[cp_attention]
+           "cp": m * blocks * ({"ring": 3 * cp - 2, "ulysses": 8 * (cp - 1),
+                                "allgather": 4 * (cp - 1)}[cp_attention]
+                               + ({"ring": cp - 1, "ulysses": 4 * (cp - 1),
+                                   "allgather": 2 * (cp - 1)}[cp_attention]
+                                  if recompute == "full" else 0))
            if cp > 1 else 0, "ep": m * blocks * 5 * (ep - 1)}
     if dp > 1:
         units = blocks + 1
