@@ -303,6 +303,9 @@ def test_10_context_parallel_at_128k_tokens():
     assert f"improves by about {percent(gain)} from cp = 1 to cp = 8" in text
     assert all(best(cp, recompute=False) == [] for cp in (1, 2, 4, 8))
     assert "Without recomputation no layout fits at any cp here" in text
+    steps = [plan.plan(LLAMA3_70B, 64, HBM_GIB, seq_len=131072, batch_size=8, cp=8, sequence_parallel=True,
+                       recompute=True, cp_attention=kind)[0]["step_s"] for kind in ("ring", "ulysses", "allgather")]
+    assert max(steps) - min(steps) < 1 and f"differ by a fraction of a second in {round(steps[0])}." in text
 
 
 def test_10_mixtral_parameters_held_and_active():
