@@ -10,7 +10,7 @@ from minitp.models import build_model, get_config
 from minitp.runs import pytorch
 from minitp.runs.pytorch import CommCounter, run_torch
 
-STEPS = 2
+STEPS = 1  # what each side sends at the start and in a step; the counts scale with steps
 
 
 def _both_equal_one_process(run, dims):
@@ -22,7 +22,7 @@ def _both_equal_one_process(run, dims):
 
 
 def test_ddp_sends_the_gradients_as_minitp_does_and_a_few_bytes_of_its_own_bookkeeping():
-    run = run_torch("ddp", nproc=2, steps=STEPS)
+    run = run_torch("ddp", nproc=2, steps=STEPS, timed=False)
     _both_equal_one_process(run, ["dp"])
     for torch_side, minitp_side in zip(run.sent_by_dim, run.minitp_sent_by_dim):
         # the same weights broadcast at the start and gradients all-reduced; PyTorch adds the
@@ -31,7 +31,7 @@ def test_ddp_sends_the_gradients_as_minitp_does_and_a_few_bytes_of_its_own_bookk
 
 
 def test_fully_shard_gathers_the_root_again_in_backward_and_minitps_run_gathers_its_state_at_the_end():
-    run = run_torch("fsdp", nproc=2, steps=STEPS)
+    run = run_torch("fsdp", nproc=2, steps=STEPS, timed=False)
     _both_equal_one_process(run, ["dp"])
     from minitp.fsdp import unit_numels
     from minitp.layout import padded_numel
@@ -50,7 +50,7 @@ def test_fully_shard_gathers_the_root_again_in_backward_and_minitps_run_gathers_
 
 
 def test_parallelize_module_sends_minitps_bytes_once_rank_0_has_scattered_the_shards():
-    run = run_torch("tp", nproc=2, steps=STEPS)
+    run = run_torch("tp", nproc=2, steps=STEPS, timed=False)
     _both_equal_one_process(run, ["tp"])
     cfg = get_config("tiny")
     split = sum(p.numel() * 4 for name, p in build_model(cfg).named_parameters() if "norm" not in name)
@@ -61,7 +61,7 @@ def test_parallelize_module_sends_minitps_bytes_once_rank_0_has_scattered_the_sh
 
 
 def test_pipelining_sends_the_activations_and_gradients_and_its_shapes_once():
-    run = run_torch("pp", nproc=2, steps=STEPS, microbatches=4)
+    run = run_torch("pp", nproc=2, steps=STEPS, microbatches=4, timed=False)
     _both_equal_one_process(run, ["pp"])
     for torch_side, minitp_side in zip(run.sent_by_dim, run.minitp_sent_by_dim):
         # the same (b, S, D) each way per micro-batch; PyTorch's stages also tell each other the
@@ -70,7 +70,7 @@ def test_pipelining_sends_the_activations_and_gradients_and_its_shapes_once():
 
 
 def test_a_3d_device_mesh_composed_as_torchtitan_does_equals_one_process():
-    run = run_torch("3d", dp=2, pp=2, tp=2, steps=STEPS)
+    run = run_torch("3d", dp=2, pp=2, tp=2, steps=STEPS, timed=False)
     _both_equal_one_process(run, ["dp", "pp", "tp"])
     for torch_side, minitp_side in zip(run.sent_by_dim, run.minitp_sent_by_dim):
         assert 0 <= torch_side["pp"] - minitp_side["pp"] <= 512

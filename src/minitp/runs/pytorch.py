@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -304,9 +305,9 @@ def pipeline_step(schedule, stage: int, stages: int, tokens, targets) -> float |
     return statistics.fmean(t.item() for t in kept) if kept else None
 
 
-def _torch_worker(strategy: str, model_name: str, train, o: dict) -> dict:
+def _torch_worker(strategy: str, model_name: str, train, o: dict, timed: bool = True) -> dict:
     """PyTorch's run on this rank, twice from the same seed: counted (every call passes through
-    ``CommCounter``, which slows each operator), then timed with nothing in the way."""
+    ``CommCounter``, which slows each operator), then (``timed``) timed with nothing in the way."""
     from minitp.grid import group_lists
     from minitp.models import get_config
 
@@ -322,7 +323,7 @@ def _torch_worker(strategy: str, model_name: str, train, o: dict) -> dict:
     state = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
              for k, p in piece.named_parameters()}  # a sharded one gathered: a collective
     memory = _held(piece.parameters(), optimizer)
-    _, times, *_ = _train(strategy, cfg, train, o, None)
+    times = _train(strategy, cfg, train, o, None)[1] if timed else [math.nan]
     return {"losses": losses, "step_s": statistics.median(times),
             "sent_by_dim": by_dim(counter.calls, named), "memory": memory, "state": state,
             "replica": replica, "last_stage": last, "unknown": sorted(counter.unknown)}
@@ -381,7 +382,8 @@ class TorchRun:
             lines.append(f"{rank:>4}  " + "  ".join(f"{t.get(d, 0.0):>12,.0f}  "
                                                     f"{m.get(d, 0.0):>12,.0f}" for d in dims)
                          + f"  {held['params']:>10,}  {held['grads']:>10,}  "
-                           f"{held['optimizer']:>10,}  {self.step_s[rank] * 1e3:>6.1f} ms")
+                           f"{held['optimizer']:>10,}  {self.step_s[rank] * 1e3:>6.1f} ms"
+                           .replace("   nan ms", "       -"))
         lines += ["(bytes each rank sent over the run, ring model: PyTorch's counted from the "
                   "tensors handed to torch.distributed, minitp's from its trace)"]
         return "\n".join(lines)
@@ -438,9 +440,10 @@ TORCH_API = {"ddp": "DistributedDataParallel", "fsdp": "fully_shard on a DeviceM
              "tp, a pipelining stage, fully_shard on dp"}
 
 
-def run_torch(strategy: str, **values) -> TorchRun:
+def run_torch(strategy: str, *, timed: bool = True, **values) -> TorchRun:
     """minitp's checked run of ``strategy`` (``values``: its runner's keywords), then PyTorch's
-    run of the same layout, model and batches, side by side."""
+    run of the same layout, model and batches, side by side. ``timed=False``: no second, timed run
+    of PyTorch's side (its ``step_s`` are NaN; ``summary`` prints no times anyway)."""
     from minitp.launcher import launch
     from minitp.models import get_config
     from minitp.models.train import TrainConfig
@@ -471,7 +474,7 @@ def run_torch(strategy: str, **values) -> TorchRun:
     train = TrainConfig(steps=report.steps, batch_size=report.batch_size,
                         seq_len=values.get("seq_len", 16), lr=values.get("lr", 3e-3),
                         seed=values.get("seed", 0))
-    results = launch(_torch_worker, world, strategy, report.model, train, o,
+    results = launch(_torch_worker, world, strategy, report.model, train, o, timed,
                      backend=values.get("backend", "gloo"), timeout=values.get("timeout", 300.0),
                      echo=False)
     unknown = sorted({name for r in results for name in r["unknown"]})
