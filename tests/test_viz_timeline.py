@@ -80,7 +80,15 @@ def test_timeline_compute_spans_are_the_blocks(run):
 
 
 def test_timeline_labels_carry_bytes(run):
-    fig = timeline(run, label_prefix="step", width=100)  # wide enough for every label to fit
+    """The real run's buckets, each drawn a second long: a label's room is its bar's length, which a loaded
+    machine can make as short as it likes (a bucket of 0.01 ms at width 100 did not fit, on a fresh clone)."""
+    from dataclasses import replace
+
+    from minitp.viz.timeline import collect_events
+
+    comm = [e for e in collect_events(run) if e.kind == "comm" and e.labelled("step")]
+    spaced = [replace(e, start=float(k), end=k + 0.9) for k, e in enumerate(comm)]
+    fig = timeline(spaced, label_prefix="step", width=100)  # wide enough for every label to fit
     texts = {t.get_text() for t in fig.axes[0].texts}
     for i, nbytes in enumerate(run[0]):
         assert f"ddp/bucket{i}  {format_bytes(nbytes)}" in texts
