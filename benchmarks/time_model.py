@@ -135,7 +135,7 @@ def one_calibration(args) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--nprocs", dest="nproc", type=int, default=2)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--stored", action="store_true", help="use the stored calibration, do not calibrate")
     parser.add_argument("--calibrations", type=int, default=1,

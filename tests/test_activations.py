@@ -22,6 +22,21 @@ def test_what_each_block_saves_on_each_rank_is_the_tiny_formula(tp, sequence_par
     assert measured == [[formula] * TINY.n_layers] * tp
 
 
+@pytest.mark.parametrize("tp, sequence_parallel, recompute", [(1, False, False), (2, True, False), (2, False, True)])
+def test_a_fused_kernel_keeps_no_scores_and_no_repeated_heads_only_its_log_sum_exp(tp, sequence_parallel, recompute):
+    fused = TINY.with_(fused_attention=True)
+    measured = measure_activations(tp, sequence_parallel, recompute, model=fused, batch=B, seq=S)
+    formula = cost.tiny_block_activation_bytes(fused, B, S, tp, sequence_parallel, recompute)
+    assert measured == [[formula] * TINY.n_layers] * tp
+    written = cost.tiny_block_activation_bytes(TINY, B, S, tp, sequence_parallel, recompute)
+    if not recompute:  # the scores (B, H/t, S, S) and the mask, and K and V copied to every query head, gone
+        h, kv = TINY.n_heads // tp, TINY.kv_heads // tp
+        gone = 4 * B * h * S * S + S * S + 2 * 4 * B * S * (h - kv) * TINY.head_dim - 4 * B * S * h
+        assert written - formula == gone
+    else:
+        assert formula == written
+
+
 def test_tensor_and_sequence_parallel_and_recomputation_each_shrink_what_a_block_keeps():
     keep = {args: cost.tiny_block_activation_bytes(TINY, B, S, *args)
             for args in [(1, False, False), (2, False, False), (2, True, False), (2, True, True)]}

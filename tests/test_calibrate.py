@@ -5,8 +5,8 @@ import json
 import pytest
 
 from minitp import cli, cost
-from minitp.measure import calibrate
-from minitp.models import TINY
+from minitp.measure import calibrate, elements
+from minitp.models import BYTE, TINY
 from minitp.models.moe import moe_config
 from minitp.models.train import TrainConfig
 from minitp.runs import measuring
@@ -34,6 +34,7 @@ RECORDED_4 = [{"all_reduce": {4: (7.2e-4, 1.1e-4), 2**16: (8.0e-4, 1.9e-4), 2**2
                "compute_s": 0.0462 + 0.0004 * r} for r in range(4)]
 # the tiny model's fastest step at 1 and at 8 micro-batches, and the operations of one forward+backward
 RECORDED_STEPS = {1: 8.5e-3, 8: 34.1e-3}
+RECORDED_BYTE_STEP = {1: 118e-3}  # the byte model at 8 x 128, one micro-batch
 RECORDED_OPS = 1165
 # one rank: the median step plain and under each strategy, the collectives each step called, a bare call
 # one rank: the median forward+backward plain, under ring attention and as a MoE, and their operations
@@ -58,7 +59,8 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     import minitp.launcher
     monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "cal.json"))
     monkeypatch.setattr(calibrate, "matmul_flops_per_s", lambda *a, **k: 9.0e10)
-    monkeypatch.setattr(calibrate, "tiny_step_s", lambda microbatches, *a, **k: RECORDED_STEPS)
+    monkeypatch.setattr(calibrate, "tiny_step_s",
+                        lambda microbatches, *a, cfg=None, **k: RECORDED_STEPS if cfg is None else RECORDED_BYTE_STEP)
     monkeypatch.setattr(calibrate, "count_ops", lambda *a, **k: RECORDED_OPS)
     monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
     busy = {1: [8.0e-3], 2: [10.2e-3, 10.6e-3]}  # the tiny step alone, then on both cores at once
@@ -99,12 +101,32 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert calibrate.check_calibration(cal) is None
     path = calibrate.save(cal)
     assert path == str(tmp_path / "cal.json") and json.loads(open(path).read()) == cal
+    # the byte model's step beside the tiny one's: what each activation element costs beyond the matmuls
+    shapes = {"tiny": (TINY, 8, 16), "byte": (BYTE, 8, 128)}
+    assert {k: cal[k] for k in ("element_s", "element_step_overhead_s")} == elements.fit_element_cost(
+        {"tiny": 8.5e-3, "byte": 118e-3},
+        {name: b * s * cost.training_flops_per_token(c, s) for name, (c, b, s) in shapes.items()},
+        {name: cost.activation_elements(c, b * s, s) for name, (c, b, s) in shapes.items()},
+        9.0e10, cal["microbatch_overhead_s"])
+    assert cal["element_s"] > 0 and cal["byte_step_s"] == 118e-3
+    assert "(the byte model's step at 8x128: 118 ms)" in calibrate.format_calibration(cal)
     device = calibrate.this_machine()
-    assert device.flops_per_s == cal["flops_per_s"] and device.intra.bytes_per_s == cal["bytes_per_s"]
+    assert device.flops_per_s == cal["flops_per_s_large"] and device.intra.bytes_per_s == cal["bytes_per_s"]
+    assert device.element_s == cal["element_s"] and device.overhead_s == cal["element_step_overhead_s"]
     assert device.microbatch_overhead_s == cal["microbatch_overhead_s"] and device.op_s == cal["op_s"]
     assert device.shared_link.alpha_s == cal["alpha_shared_s"] and device.shared_slowdown == cal["shared_slowdown"]
     assert "per micro-batch" in calibrate.format_calibration(cal) and "at 4 ranks" in calibrate.format_calibration(cal)
     assert device.busy_slowdown == cal["busy_slowdown"] and "a step 1.30x slower" in calibrate.format_calibration(cal)
+
+
+def test_the_cost_beyond_the_matmuls_is_a_line_in_the_activation_elements_through_two_models():
+    # two steps made of a known line: 2 ns per element, 1 ms once, 0.5 ms per micro-batch, matmuls at 80 GFLOP/s
+    flops, held = {"tiny": 3e8, "byte": 6e9}, {"tiny": 1.8e5, "byte": 2.4e6}
+    steps = {name: flops[name] / 8e10 + 0.5e-3 + 1e-3 + 2e-9 * held[name] for name in flops}
+    fit = elements.fit_element_cost(steps, flops, held, 8e10, 0.5e-3)
+    assert fit["element_s"] == pytest.approx(2e-9) and fit["element_step_overhead_s"] == pytest.approx(1e-3)
+    steps["byte"] = steps["tiny"]  # no growth with the elements (noise): no negative price, the rest once
+    assert elements.fit_element_cost(steps, flops, held, 8e10, 0.5e-3)["element_s"] == 0.0
 
 
 def device_own(cal: dict) -> tuple[float, float, float]:
@@ -220,6 +242,9 @@ BAD_FIGURES = [  # (what replaces a good figure, the note's start)
     ({"flops_per_s": 10**400}, "ignored: flops_per_s is 1000000000"),
     ({"flops_per_s": None}, "ignored: flops_per_s is null"),
     ({"name": 7}, "ignored: name is 7"),
+    ({"element_s": -1e-9}, "ignored: element_s is -1e-09"),
+    ({"element_s": 1e-9}, "ignored: element_s is given without flops_per_s_large"),
+    ({"element_s": 1e-9, "flops_per_s_large": 9e10}, "ignored: element_s is given without element_step_overhead_s"),
 ]
 
 

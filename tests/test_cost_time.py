@@ -147,6 +147,24 @@ def test_no_or_broken_calibration_reads_as_none(tmp_path, monkeypatch):
     assert calibrate.load_calibration(str(tmp_path / "bad.json")) is None
 
 
+def test_minitp_train_prints_its_measured_step_beside_the_predicted_one(calibration, tmp_path, monkeypatch):
+    from minitp import trainer
+    from minitp.runs import training
+
+    s = trainer.Settings(dp=2)
+    results = [{"seconds": [0.5, 0.3, 0.21, 0.20, 0.22]}, {"seconds": [0.5, 0.3, 0.20, 0.23, 0.20]}]
+    predicted = training.predicted_step_s(s, calibrate.this_machine())
+    assert predicted == cost.step_time(s.config, 16, 128, 2, device=calibrate.this_machine(),
+                                       precision="fp32").step_s
+    # the slower rank's step, after the first two: 0.21, 0.23, 0.22
+    assert training.measured_and_predicted(s, results) == (
+        f"step: measured 220 ms (median of 3 steps after 2), predicted {predicted * 1e3:.0f} ms "
+        f"(minitp.cost.step_time on this machine's calibration): {0.22 / predicted:.2f}x")
+    assert training.measured_and_predicted(s, [{"seconds": [0.5, 0.3]}]) is None  # nothing warm yet
+    monkeypatch.setenv("MINITP_CALIBRATION", str(tmp_path / "none.json"))
+    assert training.measured_and_predicted(s, results) is None  # nothing to predict with
+
+
 def test_ranks_beyond_the_cores_share_them(calibration):
     device = calibrate.this_machine()
     assert cost.compute_time(1e9, device, ranks_on_machine=4) == pytest.approx(2 * cost.compute_time(1e9, device))
@@ -348,7 +366,7 @@ def test_the_checker_of_hardware_figures_catches_a_drifted_figure():
     assert _figures_off_the_sheet("a GPU of 80 GB, hbm = 80e9") == ["80 GB", "80e9"]
 
 
-ASSUMED = {"09_capstone": ["100 GB/s", "100 GB/s"]}  # a file system's rate, stated in its problem as an assumption
+ASSUMED = {"09_capstone": ["100 GB/s", "2 TB/s", "100 GB/s"]}  # a file system's rate, assumed; Llama 3's, quoted
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
@@ -432,6 +450,20 @@ def test_a_pipeline_pays_the_forward_backward_fixed_cost_per_micro_batch_and_the
     piped = cost.step_time(TINY, 8, 16, pp=2, microbatches=8, device=FREE)
     assert piped.compute_s == pytest.approx((8 * 0.003 + 0.004) / 2)
     assert piped.bubble_s == pytest.approx(piped.compute_s / 8)
+
+
+def test_each_activation_element_a_rank_works_through_costs_element_s_on_its_share_of_tokens_and_width():
+    from minitp.trainer import BYTE
+
+    priced = cost.Device("elements only", flops_per_s=1e30, intra=LINK, inter=LINK, element_s=2e-9)
+    # per token: each block's D and its F/tp (+ H/tp·S scores when attention is written out), and V/tp
+    assert cost.activation_elements(BYTE, 1024, 128) == 1024 * (4 * (128 + 384) + 256)
+    assert cost.activation_elements(TINY, 128, 16, tp=2, pp=2) == 128 * (2 * (64 + (128 + 8 * 16) / 2) + 64)
+    for layout in [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=4)]:
+        t = cost.step_time(BYTE, 16, 128, device=priced, **layout)
+        dp, tp, pp = (layout.get(k, 1) for k in ("dp", "tp", "pp"))
+        assert t.compute_s == pytest.approx(2e-9 * cost.activation_elements(BYTE, 16 * 128 / dp, 128, tp, pp))
+    assert cost.step_time(BYTE, 16, 128, dp=2, device=FREE).compute_s == pytest.approx(0.004 + 0.003)  # none
 
 
 def test_a_calibration_from_before_the_micro_batch_cost_charges_its_overhead_per_micro_batch():

@@ -15,6 +15,7 @@ from minitp.models import (
     get_config,
     rms_norm,
 )
+from minitp.models.llama import causal_attention, fused_attention
 from minitp.models.train import TrainConfig, synthetic_batches, train_reference
 
 
@@ -66,6 +67,39 @@ def test_generation_with_the_cache_equals_recomputing_everything():
         for _ in range(6):
             full = torch.cat([full, model(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("heads, kv_heads, seq, keys", [(8, 8, 12, 12), (8, 4, 12, 12), (8, 2, 3, 12), (4, 4, 1, 9)])
+def test_the_fused_kernel_equals_attention_written_out(heads, kv_heads, seq, keys):
+    # the same values and gradients: whole sequences (S = Sk), grouped heads, and a generation step's
+    # queries at the end of their cached keys (S < Sk)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, seq, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, keys, 16, generator=g, requires_grad=True) for _ in range(2))
+    written, fused = causal_attention(q, k, v), fused_attention(q, k, v)
+    torch.testing.assert_close(fused, written, atol=1e-5, rtol=0)
+    grad = torch.randn(written.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(fused, (q, k, v), grad), torch.autograd.grad(written, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_model_with_fused_attention_trains_as_the_written_out_one():
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fused in (False, True):
+        model = build_model(TINY.with_(fused_attention=fused), seed=2)
+        assert model.layers[0].attention.fused is fused
+        model(tokens).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    fused = build_model(TINY.with_(fused_attention=True, n_kv_heads=2))
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    with torch.no_grad():  # its generation with the cache (S < Sk at each step) is its generation without
+        full = prompt
+        for _ in range(4):
+            full = torch.cat([full, fused(full)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generate(fused, prompt, 4), full)
 
 
 def test_generate_takes_its_next_token_step_and_its_caches_from_the_caller():

@@ -15,8 +15,11 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
 * At the end of backward (an autograd callback) the remaining buckets are launched and all are
   waited for. Each ``param.grad`` is a **view into its bucket** (PyTorch's
   ``gradient_as_bucket_view``), so the averaged values are already where the optimizer reads them:
-  nothing is copied back. The hook divides each gradient by n as it enters the bucket, in one pass
-  while it is fresh in the cache (in place if backward accumulated straight into the view).
+  nothing is copied back. A gradient enters its bucket divided by n, the whole bucket in one
+  operation once its last gradient is ready (in place if backward accumulated straight into the
+  views); the hook on each parameter only counts it. Chapter 01's exercise copies each gradient in
+  its own hook, which says the same in fewer lines and costs a Python call of tensor work per
+  parameter.
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
   accumulation); the first backward outside it all-reduces the accumulated sum, or
   ``finish_gradients()`` does it at once (the data-parallel protocol, ``minitp.replicas``).
@@ -126,11 +129,11 @@ class DistributedDataParallel(GradientSync, nn.Module):
 
     # -- during backward -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        # a count, no tensor work: the bucket is filled once all of it has arrived (``_launch``)
         if not self.sync:
             return
         self.queue_finish()  # finish_gradients, once, when this whole backward pass is over
         bucket, i = self._slot_of[param]
-        self._into_bucket(param, bucket.views[i])  # now, while the gradient is fresh in the cache
         bucket.arrived.add(i)
         while self._next_bucket < len(self.buckets):
             nxt = self.buckets[self._next_bucket]
@@ -139,22 +142,24 @@ class DistributedDataParallel(GradientSync, nn.Module):
             self._launch(nxt)
 
     @torch.no_grad()
-    def _into_bucket(self, param: nn.Parameter, view: torch.Tensor) -> None:
-        """view = 0.0 + grad/n: this rank's share of the average, never -0.0 (see the top)."""
-        torch.add(self._zero, param.grad, alpha=self._share, out=view)
-        param.grad = view  # from now on backward accumulates in the bucket itself
-
-    @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        bucket.unused_here = []
-        for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
-            if i in bucket.arrived:
-                continue
-            if p.grad is None:  # took no part in this forward: -0.0 says so
-                bucket.unused_here.append(i)
-                view.fill_(-0.0)
-            else:  # a gradient kept from before that no hook saw this pass
-                self._into_bucket(p, view)
+        """Fill the bucket with this rank's share of the average, view = 0.0 + grad/n (never -0.0:
+        see the top), -0.0 for a parameter this rank did not use, and start its all-reduce. From
+        now on each gradient is its view: backward accumulates in the bucket itself."""
+        grads = [p.grad for p in bucket.params]
+        bucket.unused_here = [i for i, g in enumerate(grads) if g is None]
+        used = [(g, view) for g, view in zip(grads, bucket.views) if g is not None]
+        if any(g.data_ptr() == view.data_ptr() for g, view in used):  # accumulated in place: as is
+            for g, view in used:
+                torch.add(self._zero, g, alpha=self._share, out=view)
+        elif used:  # the usual pass: one operation for the whole bucket, not one per parameter
+            bucket.buffer.zero_()
+            torch._foreach_add_([view for _, view in used], [g for g, _ in used], alpha=self._share)
+        for i in bucket.unused_here:  # took no part in this forward: -0.0 says so
+            bucket.views[i].fill_(-0.0)
+        for p, g, view in zip(bucket.params, grads, bucket.views):
+            if g is not None:
+                p.grad = view
         with _trace.tagged(phase="backward"):  # the gradients' all-reduce, whenever it is launched
             bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,
                                             label=f"ddp/bucket{bucket.index}", async_op=True)

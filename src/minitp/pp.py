@@ -10,23 +10,25 @@ is the *bubble*: with equal stage times it is (p-1)/(m+p-1) of the step, on ever
 A **schedule** is data (``minitp.pp_schedules``, re-exported here): for each rank, the list of
 actions it runs in order, ``Action("F", i, chunk)`` (forward of micro-batch i), ``Action("B", i,
 chunk)`` (its backward) and, for zero-bubble, ``Action("W", i, chunk)`` (its weight gradient).
-GPipe, 1F1B, interleaved 1F1B (v chunks per rank: rank r holds pieces r, r+p, ... of the p·v) and
-ZB-H1 are four pure functions of (p, m[, v]); ``simulate`` plays any of them with fixed times.
+GPipe, 1F1B, interleaved 1F1B (v chunks per rank: rank r holds pieces r, r+p, ... of the p·v),
+ZB-H1, ZB-V and DualPipeV (two chunks in a V: rank r holds pieces r and 2p-1-r) are pure functions
+of (p, m[, v]); ``simulate`` plays any of them with fixed times.
 
 ``Pipeline.forward_backward`` runs a rank's table with one small loop. Each message goes through
 ``minitp.comm``: a forward sends the piece's output (b, S, D) to the rank of the next piece
 (``pp/forward/mb3``), a backward sends the gradient of the piece's input to the rank of the previous
-one (``pp/backward/mb3``; under interleaving the labels add ``/piece5``, the sender's piece); the
-events carry the same as fields (``Event.phase``, ``microbatch``, ``chunk``: the sender's). Sends
-are ``isend`` (waited on at the end of the step); receives are ``irecv``, all posted as the step
-starts (or ``recv_ahead`` actions ahead) and waited on when the action needs them. Every rank knows
-every rank's table, so it posts its receives from a neighbour in the order that neighbour sends
-them: messages between two ranks are matched first to first, however forwards, backwards and chunks
-interleave. A rank only ever waits for what its next action needs, so a table that ``simulate``
-plays to the end cannot deadlock. Blocking sends could: in 1F1B's steady state rank s sends an
-activation to s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo: a message
-whose receive is already posted is written at once by the sender; otherwise gloo's background thread
-hands it over later (+0.2 ms a message at 2 ranks here).
+one (``pp/backward/mb3``; with chunks the labels add ``/piece5``, the sender's piece); the events
+carry the same as fields (``Event.phase``, ``microbatch``, ``chunk``: the sender's). Between two
+pieces of one rank (the V's turn, pieces p-1 and p on rank p-1) the tensor is handed over as is.
+Sends are ``isend`` (waited on at the end of the step); receives are ``irecv``, all posted as the
+step starts (or ``recv_ahead`` actions ahead) and waited on when the action needs them. Every rank
+knows every rank's table, so it posts its receives from a neighbour in the order that neighbour
+sends them: messages between two ranks are matched first to first, however forwards, backwards and
+chunks interleave. A rank only ever waits for what its next action needs, so a table that
+``simulate`` plays to the end cannot deadlock. Blocking sends could: in 1F1B's steady state rank s
+sends an activation to s+1 while s+1 sends a gradient to s. Posting receives early matters on gloo:
+a message whose receive is already posted is written at once by the sender; otherwise gloo's
+background thread hands it over later (+0.2 ms a message at 2 ranks here).
 
 Zero-bubble's B and W: ``WeightGradients`` gives every ``nn.Linear`` of the stage a backward that
 returns the input gradient g·W at once and leaves (x, g) aside; the W action computes gᵀx from them.
@@ -63,6 +65,7 @@ from minitp.pp_schedules import (
     Timeline,
     bubble_fraction,
     chunks_of,
+    feeds,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -70,6 +73,7 @@ from minitp.pp_schedules import (
     one_f_one_b,
     peak_in_flight,
     replay,
+    schedule_entry,
     simulate,
     splits_weight_gradient,
     zero_bubble_h1,
@@ -80,7 +84,6 @@ __all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineStage", "Schedule", "Stag
            "bubble_fraction", "chunks_of", "gpipe", "interleaved_1f1b", "make_schedule", "needs",
            "one_f_one_b", "peak_in_flight", "replay", "simulate", "split_microbatches",
            "splits_weight_gradient", "stage_blocks", "zero_bubble_h1"]
-
 
 
 class PipelineStage(nn.Module):
@@ -202,8 +205,8 @@ class Pipeline:
 
     model: the plain ``Transformer`` (this rank cuts its pieces out of it), or a ``StageSpec``
         already made, whose ``forward`` may run through a wrapper (``Parallel3D``; one chunk only).
-    schedule: "gpipe", "1f1b", "interleaved" (with ``virtual_stages`` v >= 2 chunks per rank) or
-        "zb" (ZB-H1: the backward cut into B and W).
+    schedule: "gpipe", "1f1b", "interleaved" (with ``virtual_stages`` v >= 2 chunks per rank),
+        "zb" (ZB-H1: the backward cut into B and W), or "zbv" / "dualpipev" (two chunks in a V).
     recv_ahead: how many actions past the current one have their receives posted; None (the
         default): the whole step's, as it starts. A receive buffer is (b, S, D), small beside the
         activations a micro-batch keeps for backward, but the whole step holds 2·v·m of them.
@@ -215,29 +218,30 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module | StageSpec, group=None, schedule: str = "1f1b",
-                 microbatches: int = 4, loss: Callable[[torch.Tensor, torch.Tensor],
-                                                       torch.Tensor] = _loss_fn,
-                                                       recv_ahead: int | None = None,
-                 virtual_stages: int = 1, context=None):
+                 microbatches: int = 4,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss_fn,
+                 recv_ahead: int | None = None, virtual_stages: int = 1, context=None):
         comm.name_group(group, "pp", unless_named=True)  # its messages' Event.dim
         self.ranks = comm.group_ranks(group)
         p, self.stage = len(self.ranks), comm.group_rank(group)
-        self.num_stages, v = p, virtual_stages
-        self.table = make_schedule(schedule, p, microbatches, v)  # every rank's actions
-        if v > 1 and p == 1:
+        self.num_stages = p
+        self.table = make_schedule(schedule, p, microbatches, virtual_stages)  # all ranks' actions
+        self.place = schedule_entry(schedule).placement  # which piece each (rank, chunk) holds
+        v = max(map(chunks_of, self.table))  # virtual_stages, or the V schedules' 2
+        if virtual_stages > 1 and p == 1:
             raise ValueError("interleaving needs at least 2 ranks in the pipeline group, got 1")
         if isinstance(model, StageSpec):
             if v != 1:
-                raise ValueError(
-                    f"a StageSpec describes one chunk; virtual_stages={v} needs the plain model")
+                raise ValueError(f"a StageSpec describes one chunk; schedule {schedule!r} runs {v} "
+                                 "chunks per rank and needs the plain model")
             if (model.index, model.num_stages) != (self.stage, p):
                 raise ValueError(
                     f"the stage given is stage {model.index} of {model.num_stages}, but this rank "
                     f"is stage {self.stage} of the {p} ranks of its pipeline group")
             self.chunks = [model]
-        else:  # chunk c is piece c·p + rank of the p·v pieces
-            self.chunks = [StageSpec.of(PipelineStage(model, c * p + self.stage, p * v, context))
-                           for c in range(v)]
+        else:  # chunk c is piece c·p + rank of the p·v pieces (V: rank, then 2p-1-rank)
+            self.chunks = [StageSpec.of(PipelineStage(model, self.place.piece(p, self.stage, c),
+                                                      p * v, context)) for c in range(v)]
         self.module = self.chunks[0].module if v == 1 else StagePieces(
             [c.module for c in self.chunks])
         self.schedule_name, self.microbatches, self.virtual_stages = schedule, microbatches, v
@@ -246,10 +250,7 @@ class Pipeline:
             self.module) if splits_weight_gradient(self.actions) else None
         self.group, self.loss, self.recv_ahead = group, loss, recv_ahead
 
-    # the global rank that holds piece k, and the label of the message a piece's action sends
-    def _rank_of(self, piece: int) -> int:
-        return self.ranks[piece % self.num_stages]
-
+    # the label of the message a piece's action sends
     def _label(self, kind: str, microbatch: int, piece: int) -> str:
         direction = "forward" if kind == "F" else "backward"
         return f"pp/{direction}/mb{microbatch}" + (f"/piece{piece}" if self.virtual_stages > 1
@@ -259,7 +260,19 @@ class Pipeline:
         """The fields of that message's events (``trace.tagged``): phase, micro-batch, the sender's
         chunk."""
         return {"phase": "forward" if kind == "F" else "backward", "microbatch": microbatch,
-                "chunk": piece // self.num_stages}
+                "chunk": self.place.holder(self.num_stages, piece)[1]}
+
+    def _hand_over(self, a: Action, piece: int, tensor: torch.Tensor, receives: _Receives,
+                   sends: list) -> None:
+        """Pass what F (B) of ``piece`` made to the next (previous) piece: a message to its rank,
+        or, where that piece is this rank's own (the V's turn), the tensor itself, no message."""
+        rank, chunk = feeds(a, self.stage, self.num_stages, self.virtual_stages, self.place)
+        if rank == self.stage:
+            receives.local[a.kind, chunk, a.microbatch] = tensor
+            return
+        with _trace.tagged(**self._tags(a.kind, a.microbatch, piece)):
+            sends.append((comm.isend(tensor, self.ranks[rank], self.group,
+                                     label=self._label(a.kind, a.microbatch, piece)), tensor))
 
     @property
     def spec(self) -> StageSpec:
@@ -295,7 +308,7 @@ class Pipeline:
         tr = _trace.current()
         for j, a in enumerate(self.actions):
             i, c = a.microbatch, a.chunk
-            chunk, piece = self.chunks[c], c * p + self.stage
+            chunk, piece = self.chunks[c], self.place.piece(p, self.stage, c)
             receives.post_ahead(j)
             if a.kind == "F":
                 # (b, S) or (b, S, D)
@@ -310,11 +323,8 @@ class Pipeline:
                 end = time.perf_counter()
                 inputs[c, i], outputs[c, i] = x, y
                 held.add((c, i))
-                if piece < last_piece:
-                    out = y.detach()  # kept alive until the send is waited on
-                    with _trace.tagged(**self._tags("F", i, piece)):
-                        sends.append((comm.isend(out, self._rank_of(piece + 1), self.group,
-                                                 label=self._label("F", i, piece)), out))
+                if piece < last_piece:  # y.detach(): kept alive until the send is waited on
+                    self._hand_over(a, piece, y.detach(), receives, sends)
                 peak = max(peak, len(held))
             elif a.kind == "B":
                 x, y = inputs.pop((c, i)), outputs.pop((c, i))
@@ -325,9 +335,7 @@ class Pipeline:
                 torch.autograd.backward(y, grad)
                 end = time.perf_counter()
                 if piece > 0:
-                    with _trace.tagged(**self._tags("B", i, piece)):
-                        sends.append((comm.isend(x.grad, self._rank_of(piece - 1), self.group,
-                                                 label=self._label("B", i, piece)), x.grad))
+                    self._hand_over(a, piece, x.grad, receives, sends)
                 if self.weights is None:
                     held.discard((c, i))
             else:  # W: the linear layers' weight gradients, from the inputs and gradients B left
@@ -343,8 +351,9 @@ class Pipeline:
                                     end, phase=op, microbatch=i, chunk=c))
         for handle, _ in sends:
             handle.wait()
-        # the last piece is on rank p-1
-        return StepRecord(total if self.stage == p - 1 else None, timeline, peak)
+        # the last piece is on rank p-1 (V: rank 0)
+        has_loss = self.place.holder(p, last_piece)[0] == self.stage
+        return StepRecord(total if has_loss else None, timeline, peak)
 
 
 class _Receives:
@@ -356,17 +365,16 @@ class _Receives:
 
     def __init__(self, pipe: Pipeline, b: int, S: int):
         p, v, me = pipe.num_stages, pipe.virtual_stages, pipe.stage
-        last_piece = p * v - 1
         self.pipe, self.shape = pipe, (b, S)
         # per sending stage: the (kind, chunk, mb) of our actions its sends feed, in its order
         self.streams: dict[int, list[tuple[str, int, int]]] = {}
         for q, actions in enumerate(pipe.table):
             for a in actions:
-                k = a.chunk * p + q
-                if a.kind == "F" and k < last_piece and (k + 1) % p == me:
-                    self.streams.setdefault(q, []).append(("F", (k + 1) // p, a.microbatch))
-                elif a.kind == "B" and k > 0 and (k - 1) % p == me:
-                    self.streams.setdefault(q, []).append(("B", (k - 1) // p, a.microbatch))
+                to = feeds(a, q, p, v, pipe.place)  # the (rank, chunk) its output goes to
+                if q != me and to is not None and to[0] == me:
+                    self.streams.setdefault(q, []).append((a.kind, to[1], a.microbatch))
+        # (kind, chunk, mb) -> what a piece of this rank handed to another of its pieces (V)
+        self.local: dict[tuple[str, int, int], torch.Tensor] = {}
         self.where = {key: (q, n) for q, keys in self.streams.items() for n, key in enumerate(keys)}
         self.next_post = dict.fromkeys(self.streams, 0)  # per stream: how many are posted
         self.looked = 0  # actions before this one have had their receives posted
@@ -382,7 +390,8 @@ class _Receives:
         pipe, stream = self.pipe, self.streams[q]
         while self.next_post[q] <= n:
             kind, chunk, mb = stream[self.next_post[q]]
-            sender_piece = chunk * pipe.num_stages + pipe.stage + (1 if kind == "B" else -1)
+            sender_piece = pipe.place.piece(pipe.num_stages, pipe.stage, chunk) + (
+                1 if kind == "B" else -1)
             buffer = pipe.chunks[chunk].boundary_buffer(*self.shape)  # (b, S, D)
             with _trace.tagged(**pipe._tags(kind, mb, sender_piece)):
                 handle = comm.irecv(buffer, pipe.ranks[q], pipe.group,
@@ -401,6 +410,9 @@ class _Receives:
         self.looked = max(self.looked, stop)
 
     def take(self, j: int) -> torch.Tensor:
+        a = self.pipe.actions[j]
+        if (a.kind, a.chunk, a.microbatch) in self.local:  # from a piece of this rank
+            return self.local.pop((a.kind, a.chunk, a.microbatch))
         key = self._key(j)
         self._post_through(key)
         handle, buffer = self.posted.pop(key)

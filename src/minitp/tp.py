@@ -218,7 +218,7 @@ class ParallelAttention(Attention):
         self.tp_group, self.sequence_parallel, self.label = tp_group, sequence_parallel, label
         # on this rank
         self.n_heads, self.n_kv_heads = attention.n_heads // tp, attention.n_kv_heads // tp
-        self.head_dim = attention.head_dim
+        self.head_dim, self.fused = attention.head_dim, attention.fused
         # D → H/tp · Dh
         self.wq = ColumnParallelLinear(attention.wq, tp_group, enter=False, label=label)
         # D → Hkv/tp · Dh

@@ -10,7 +10,7 @@ other layout). What this module adds is what a step needs, read top to bottom:
   (``lr_at``);
 - **gradient clipping by the global norm** across every shard (``clip_grad_norm_``): each element
   of the model counted once, wherever it lives (``counts_in_norm``, the ownership rule, read beside
-  ``Parallel3D.split_dims``), then one all-reduce over the whole world;
+  ``Parallel3D.split_dims``), then one all-reduce over the whole world (none under DDP alone);
 - **the step** (``train_step``: the only one, every layout's) and **validation** (``evaluate``) on
   files the training never sees;
 - **the same run on one process** (``reference``): what every layout is checked against.
@@ -40,14 +40,12 @@ from minitp import trace as _trace
 from minitp.data import Sampler, check_seq_len, load_corpus
 from minitp.grid import ParallelDims
 from minitp.layout import DIMS
-from minitp.models import ModelConfig, Transformer, build_model, loss_fn
+from minitp.models import BYTE, ModelConfig, Transformer, build_model, loss_fn
 from minitp.models.moe import MoEConfig, aux_loss, build_moe_model, moe_config, moe_loss
 from minitp.models.train import train_one_process
 from minitp.parallel3d import Parallel3D
 
-# byte-level models sized for a laptop run (vocabulary: the 256 byte values)
-BYTE = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=384,
-                   max_seq_len=256)
+# byte-level models sized for a laptop run (vocabulary: the 256 byte values): ``minitp.models.BYTE``
 PRESETS = {
     "byte": BYTE,  # 0.85 M parameters
     "byte-4m": BYTE.with_(dim=256, n_layers=6, ffn_hidden=704),  # 4.6 M
@@ -188,21 +186,29 @@ def all_gradients(par: Parallel3D) -> list[torch.Tensor]:
     return [p.grad for p in par.module.parameters() if p.grad is not None]
 
 
+def replicas_only(par: Parallel3D) -> bool:
+    """Whether every rank holds the whole model and, after the average, the same gradients: data
+    parallel by DDP alone (context parallel's ranks average theirs the same way)."""
+    return par.fsdp is None and par.mesh.tp == 1 and par.mesh.pp == 1 and par.mesh.ep == 1
+
+
 @torch.no_grad()
 def clip_grad_norm_(par: Parallel3D, max_norm: float) -> float:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), ``norm`` the whole model's gradient
     norm (the 2-norm of every element, once): as ``torch.nn.utils.clip_grad_norm_`` on one process.
-    One all-reduce of a number over the world. Returns the norm before clipping."""
+    One all-reduce of a number over the world; none where every rank holds the same whole gradients
+    (``replicas_only``): each computes the norm itself. Returns the norm before clipping."""
+    alike = replicas_only(par)
+    grads = all_gradients(par) if alike else owned_gradients(par)
     squares = torch.zeros((), dtype=torch.float32, device=par.device)
-    for g in owned_gradients(par):
-        squares += g.float().pow(2).sum()
-    # stages, slices, shards: disjoint pieces of one sum
-    comm.all_reduce(squares, label="clip/norm")
+    if grads:  # every tensor's norm in one operation over the list, as torch's own clipping does
+        squares += torch.stack(torch._foreach_norm([g.float() for g in grads])).square().sum()
+    if not alike:  # stages, slices, shards: disjoint pieces of one sum
+        comm.all_reduce(squares, label="clip/norm")
     norm = squares.sqrt().item()
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
-        for g in all_gradients(par):
-            g.mul_(coef)
+        torch._foreach_mul_(all_gradients(par), coef)
     return norm
 
 

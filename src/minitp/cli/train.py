@@ -58,6 +58,9 @@ def train(args: argparse.Namespace) -> int:
     said = f"last loss {losses[-1]:.3f} nats/byte" if losses else "no step left to run"
     print(f"minitp train: at step {done} of {args.steps}, {said}"
           + (f"; log, figure and checkpoint in {args.out}" if args.out else ""))
+    timed = training.measured_and_predicted(s, results)
+    if timed:
+        print(f"minitp train: {timed}")
     if args.trace_out:
         from minitp.viz.chrome_trace import write_chrome_trace
 
@@ -83,7 +86,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 def train_options():
-    from minitp.pp_schedules import SCHEDULES
+    from minitp.pp_schedules import RUNNER_SCHEDULES
     from minitp.trainer import PRESETS
 
     return (
@@ -101,7 +104,7 @@ def train_options():
                optional=True, spelled="nprocs"),
         Option("fsdp", bool, False, "FSDP across replicas (default DDP)"),
         Option("zero", int, None, "ZeRO stage with --fsdp", choices=(None, 1, 2, 3)),
-        Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
+        Option("schedule", str, "1f1b", "pipeline schedule", choices=RUNNER_SCHEDULES),
         Option("microbatches", int, 1, "micro-batches per step (pipeline)", low=1),
         Option("steps", int, 300, "optimizer steps", low=1),
         Option("batch_size", int, 16, "global batch, in sequences", low=1),

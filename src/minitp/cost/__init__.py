@@ -121,6 +121,7 @@ from minitp.cost.time import (
     Device,
     Link,
     StepTime,
+    activation_elements,
     arithmetic_intensity,
     collective_time,
     compute_time,
@@ -163,8 +164,9 @@ __all__ = [
     "moe_internode_bytes", "moe_activation_bytes_per_rank",
     # time
     "Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
-    "training_flops_per_token", "recompute_flops_per_token", "compute_time", "collective_time",
-    "links_of_layout", "StepTime", "step_time", "arithmetic_intensity", "overlap_budget_bytes",
+    "training_flops_per_token", "activation_elements", "recompute_flops_per_token", "compute_time",
+    "collective_time", "links_of_layout", "StepTime", "step_time", "arithmetic_intensity",
+    "overlap_budget_bytes",
     # from minitp.layout
     "check_3d_layout", "num_buckets", "padded_numel", "stage_num_blocks",
 ]

@@ -127,12 +127,15 @@ def tiny_block_activation_bytes(cfg, batch: int, seq: int, tp: int = 1,
                                 sequence_parallel: bool = False, recompute: bool = False,
                                 dtype_bytes: int = 4) -> int:
     """Exactly the bytes one block of ``minitp.models`` saves for backward on one tensor-parallel
-    rank as it runs here (fp32, plain attention, K and V repeated to H heads):
-    ``llama_block_activation_bytes`` without FlashAttention; with ``recompute`` only the block's
-    input."""
-    return llama_block_activation_bytes(cfg, batch, seq, tp, sequence_parallel, "full" if recompute
-                                        else "none",
-                                        flash_attention=False, dtype_bytes=dtype_bytes)
+    rank as it runs here, in fp32: ``llama_block_activation_bytes`` without FlashAttention (plain
+    attention, K and V repeated to H heads); with ``cfg.fused_attention``, with it (the kernel reads
+    the shared K and V heads) and its log-sum-exp, one fp32 per query head and position; with
+    ``recompute`` only the block's input."""
+    fused = getattr(cfg, "fused_attention", False)
+    kept = llama_block_activation_bytes(cfg, batch, seq, tp, sequence_parallel, "full" if recompute
+                                        else "none", flash_attention=fused,
+                                        dtype_bytes=dtype_bytes, repeat_kv=not fused)
+    return kept + (batch * seq * cfg.n_heads // tp * 4 if fused and not recompute else 0)
 
 
 def attention_weight_shapes(cfg, tp: int = 1) -> dict[str, tuple[int, int]]:

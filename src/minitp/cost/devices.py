@@ -87,6 +87,10 @@ class Device:
     tp_own_s: float = 0.0  # CPU only: the same for its tensor parallel
     cp_op_s: float = 0.0  # CPU only: one operation ring attention adds (0: op_s)
     ep_op_s: float = 0.0  # CPU only: one operation a MoE adds (0: op_s)
+    # CPU only: seconds per element of a rank's activations that its forward+backward works through
+    # outside the matmuls (norms, RoPE, SwiGLU's gate, residuals, softmax; ``activation_elements``):
+    # what makes a step at training shapes slower than its FLOPs say (0: hidden in ``efficiency``)
+    element_s: float = 0.0
     # the attention kernel skips a causal mask's empty half (FlashAttention's blocks above the
     # diagonal, on the GPU sheets); minitp's attention on this machine computes every score, then
     # masks (False)
@@ -120,7 +124,9 @@ DEVICES = {"h100": H100, "a100": A100}
 def device_from_calibration(cal: dict) -> Device:
     """A Device from a calibration's figures: one rank's matmul rate, gloo's α and β (both links),
     the fixed costs of a step, of a micro-batch and of one small operation, and the link and compute
-    as measured with twice as many ranks as cores. A calibration from before
+    as measured with twice as many ranks as cores. Where the calibration measured a second, larger
+    model (``element_s``), the matmuls run at the large rate and every activation element costs
+    ``element_s``. A calibration from before
     ``microbatch_overhead_s`` was measured charges its whole ``step_overhead_s`` per micro-batch, as
     the time model then did."""
     link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
@@ -131,7 +137,12 @@ def device_from_calibration(cal: dict) -> Device:
     step, microbatch = cal.get("step_overhead_s", 0.0), cal.get("microbatch_overhead_s")
     if microbatch is None:
         step, microbatch = 0.0, step
-    return Device("this machine (" + cal.get("name", "calibrated") + ")", cal["flops_per_s"], link,
+    flops, element = cal["flops_per_s"], 0.0
+    if cal.get("element_s") is not None:  # measured at two shapes: the large matmuls' rate, and
+        # what each element beyond them costs (``minitp.measure.calibrate.fit_element_cost``)
+        flops, element = cal["flops_per_s_large"], cal["element_s"]
+        step = cal["element_step_overhead_s"]
+    return Device("this machine (" + cal.get("name", "calibrated") + ")", flops, link,
                   link, gpus_per_node=10**6, memory_bytes=cal.get("memory_bytes", 0.0),
                   efficiency=1.0, cores=cal.get("cores"), overhead_s=step,
                   microbatch_overhead_s=microbatch, op_s=cal.get("op_s", 0.0), shared_link=shared,
@@ -140,4 +151,4 @@ def device_from_calibration(cal: dict) -> Device:
                   fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0),
                   # null: not measured
                   cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0,
-                  causal_skip=False)
+                  element_s=element, causal_skip=False)

@@ -44,9 +44,10 @@ from minitp.cost.threed import rank_num_blocks
 from minitp.layout import CP_TILE, check_positive, cp_chunks
 
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
-           "training_flops_per_token", "recompute_flops_per_token", "compute_time",
-           "collective_time", "links_of_layout", "StepTime", "step_time", "arithmetic_intensity",
-           "overlap_budget_bytes", "strategy_ops", "ring_ops", "moe_ops", "link_on_machine"]
+           "training_flops_per_token", "activation_elements", "recompute_flops_per_token",
+           "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
+           "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops", "ring_ops", "moe_ops",
+           "link_on_machine"]
 
 
 # -- compute ---------------------------------------------------------------------------------------
@@ -54,6 +55,16 @@ def training_flops_per_token(cfg, seq: int) -> float:
     """Model FLOPs to train on one token: 6Ψ (forward 2Ψ, backward 4Ψ) + 12·L·D·S for attention;
     Ψ the active parameters (a MoE's token goes through k of its E experts per layer)."""
     return 6 * active_params(cfg) + 12 * cfg.n_layers * cfg.dim * seq
+
+
+def activation_elements(cfg, tokens: float, seq: int, tp: int = 1, pp: int = 1) -> float:
+    """The elements a rank's forward+backward works through outside its matmuls, roughly, for
+    ``tokens`` of its own: per token, each of its L/pp blocks' width D (the norms, RoPE, residuals)
+    and its split part F/tp (SwiGLU's gate; written-out attention adds its H/tp·S scores, a fused
+    kernel keeps them inside), and the logits' V/tp. ``Device.element_s`` prices one."""
+    scores = 0 if getattr(cfg, "fused_attention", False) else cfg.n_heads * seq
+    per_token = cfg.n_layers / pp * (cfg.dim + (cfg.ffn_hidden + scores) / tp) + cfg.vocab_size / tp
+    return tokens * per_token
 
 
 def recompute_flops_per_token(cfg, seq: int, recompute: str = "none") -> float:
@@ -313,6 +324,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     ops = (ring_ops(cfg, seq, cp if ring else 1, balanced) * (device.cp_op_s or device.op_s)
            + moe_ops(cfg, ep) * (device.ep_op_s or device.op_s))
     ops_s = m * ops / pp * shared
+    if device.element_s:  # the work beyond the matmuls, at this rank's share of tokens and width
+        rank_tokens = tokens / (dp * cp)
+        compute += device.element_s * activation_elements(cfg, rank_tokens, seq, tp, pp) * shared
     own = device.tp_own_s if tp > 1 else 0.0
     if dp * cp > 1:
         own += (device.ddp_own_s if data_parallel == "ddp" else device.fsdp_own_s if zero == 3

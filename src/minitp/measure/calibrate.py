@@ -20,6 +20,8 @@ are read and checked here, and handed to it as a ``Device``.
   would be off by an order of magnitude. ``op_s``, the cost of one small tensor operation (what
   ring attention and a MoE add, ``minitp.cost.time.strategy_ops``), is the micro-batch's fixed cost
   over the number of operations its forward and backward dispatch (counted here, once).
+* the work beyond the matmuls at training shapes: the byte model's step beside the tiny one's, a
+  line in the elements their activations hold (``minitp.measure.elements``).
 * a strategy's own code: the tiny model's step at one rank under minitp's DDP, FSDP (ZeRO-3) and
   tensor parallel, against the plain step, less a bare one-rank all-reduce per collective it calls
   (the time model charges a collective as α): their hooks, autograd Functions, gathers and releases,
@@ -88,21 +90,22 @@ def matmul_flops_per_s(m: int, k: int, n: int, repeats: int = 50, seconds: float
 
 
 def tiny_step_s(microbatches: tuple[int, ...] = (1, 8), batch: int = 8, seq: int = 16,
-                repeats: int = 20) -> dict[int, float]:
-    """{m: seconds of the fastest of ``repeats`` training steps of the tiny model on one thread},
-    its batch cut into m micro-batches whose gradients accumulate before one AdamW step. The counts
-    of micro-batches take turns, step by step, so that what else runs on the machine slows them
-    alike; the first two rounds warm up."""
+                repeats: int = 20, cfg=None) -> dict[int, float]:
+    """{m: seconds of the fastest of ``repeats`` training steps of the tiny model (or ``cfg``'s) on
+    one thread}, its batch cut into m micro-batches whose gradients accumulate before one AdamW
+    step. The counts of micro-batches take turns, step by step, so that what else runs on the
+    machine slows them alike; the first two rounds warm up."""
     from minitp.models import TINY, build_model, loss_fn
     from minitp.models.train import make_optimizer
 
+    cfg = cfg or TINY
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(TINY, seed=0)
+        model = build_model(cfg, seed=0)
         optimizer = make_optimizer(model.parameters(), 1e-3)
         g = torch.Generator().manual_seed(0)
-        tokens, targets = (torch.randint(0, TINY.vocab_size, (batch, seq), generator=g)
+        tokens, targets = (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
                            for _ in range(2))
         best = {m: float("inf") for m in microbatches}
         for i in range(repeats + 2):
@@ -214,8 +217,8 @@ def fixed_costs(flops_per_s: float, batch: int = 8, seq: int = 16) -> dict:
 
     flops_s = batch * seq * training_flops_per_token(TINY, seq) / flops_per_s
     steps = tiny_step_s((1, MICROBATCHES), batch, seq)
-    return fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s,
-                           count_ops(batch // MICROBATCHES, seq))
+    return {**fit_fixed_costs(steps[1], steps[MICROBATCHES], MICROBATCHES, flops_s,
+                              count_ops(batch // MICROBATCHES, seq)), "tiny_step_s": steps[1]}
 
 
 OWN_STRATEGIES = ("ddp", "fsdp", "tp")  # whose own code ``minitp.runs.measuring`` times at one rank
@@ -340,6 +343,7 @@ FIGURES = (
     ("bytes_per_s_min", False, "> 0"), ("alpha_min_s", False, ">= 0"),
     ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"),
     ("shared_slowdown", False, "> 0"), ("busy_slowdown", False, "> 0"),
+    ("element_s", False, ">= 0"), ("element_step_overhead_s", False, ">= 0"),
 )
 # a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
 MAY_BE_NULL = ("cp_op_s", "ep_op_s", "flops_per_s_large", "bytes_per_s_min", "alpha_min_s",
@@ -390,6 +394,10 @@ def check_calibration(cal) -> str | None:
             continue
         if not _is_number(value) or (value <= 0 if low == "> 0" else value < 0):
             return f"ignored: {name} is {_shown(value)}, expected a finite number {low}"
+    if cal.get("element_s") is not None:  # priced beside the large rate (device_from_calibration)
+        for name in ("flops_per_s_large", "element_step_overhead_s"):
+            if cal.get(name) is None:
+                return f"ignored: element_s is given without {name}"
     cores = cal.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         return f"ignored: cores is {_shown(cores)}, expected a whole number >= 1"
@@ -440,11 +448,13 @@ def this_machine(path: str | None = None) -> Device | None:
 
 
 def format_calibration(cal: dict) -> str:
+    from minitp.measure.elements import describe
+
     return (f"matmul {tuple(cal['matmul_shape'])}: {cal['flops_per_s'] / 1e9:.2f} GFLOP/s per rank "
             f"(512^3: {cal['flops_per_s_large'] / 1e9:.2f}), 1 thread; gloo all-reduce: "
             f"α = {cal['alpha_s'] * 1e6:.1f} µs per step, β = {cal['bytes_per_s'] / 1e9:.2f} GB/s "
             f"(mean calls{_fastest(cal)}); "
-            f"{_fixed(cal)}; {cal['cores']} cores{_shared(cal)}")
+            f"{_fixed(cal)}{describe(cal)}; {cal['cores']} cores{_shared(cal)}")
 
 
 def _fixed(cal: dict) -> str:

@@ -147,9 +147,9 @@ def category(op: str | None, in_optimizer: bool, in_flight: bool) -> str:
 
     - the optimizer's span: "optimizer", whatever runs;
     - a collective's call (``c10d::allreduce_``): "communication";
-    - a kernel (``aten::``): "matmul" (the linear layers' ``mm``), "attention" (its batched
-      matmuls, softmax and mask), else "elementwise" (copies, reshapes, norms, activations, RoPE,
-      the loss);
+    - a kernel (``aten::``): "matmul" (the linear layers' ``mm``), "attention" (its fused kernel,
+      or written out its batched matmuls, softmax and mask), else "elementwise" (copies,
+      reshapes, norms, activations, RoPE, the loss);
     - no kernel (no operator, or only a wrapper around none: an autograd Function's own time, a
       hook): "communication" while one of the rank's messages is in flight (it waits), else
       "python" (minitp's code and the interpreter)."""

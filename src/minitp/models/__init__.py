@@ -4,6 +4,7 @@ tied output layer) in ``minitp.models.gpt2``; synthetic data, the optimizer and 
 reference in ``minitp.models.train``."""
 
 from minitp.models.llama import (  # noqa: F401  (re-exported: the dense model)
+    BYTE,
     LLAMA3_8B,
     LLAMA3_70B,
     PRESETS,

@@ -32,6 +32,10 @@ class ModelConfig:
     max_seq_len: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # True: attention by torch's fused kernel (``fused_attention``), which keeps no scores and reads
+    # the shared key/value heads in place, as training at scale runs it (``minitp train``'s models);
+    # False: softmax(q k^T) v written out (``causal_attention``), whose scores the chapters measure
+    fused_attention: bool = False
 
     def __post_init__(self):
         kv = self.kv_heads
@@ -71,6 +75,10 @@ LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n
 # forward on a (1, 64) micro-batch is a few ms on one core), still seconds per step on a laptop CPU
 SMALL = ModelConfig(vocab_size=512, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704,
                     max_seq_len=256)
+# ``minitp train``'s byte-level model (vocabulary: the 256 byte values), sized for a laptop run;
+# its attention by the fused kernel training runs on (the tiny model's is written out, measured)
+BYTE = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=384,
+                   max_seq_len=256, fused_attention=True)
 PRESETS = {"tiny": TINY, "small": SMALL, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 
 
@@ -118,6 +126,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.fused = cfg.fused_attention
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -143,9 +152,9 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(Dh)) v under the causal mask: the one step of the layer that mixes
-        positions (``causal_attention``). Context parallel passes its ring in place of it
-        (``forward(attend=)``, ``minitp.cp``)."""
-        return causal_attention(q, k, v)
+        positions (``causal_attention``, or ``fused_attention`` when the config asks for it).
+        Context parallel passes its ring in place of it (``forward(attend=)``, ``minitp.cp``)."""
+        return (fused_attention if self.fused else causal_attention)(q, k, v)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -161,6 +170,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     mask = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - S)
     scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1) @ v  # (B, H, S, Dh)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``causal_attention`` by torch's ``scaled_dot_product_attention`` (on a CPU its
+    FlashAttention-style kernel): the same result to float rounding, without the (B, H, S, Sk)
+    scores in memory (backward computes them again from q, k, v and a log-sum-exp per row) and
+    without copying a key/value head for each query head it serves. Same shapes as
+    ``causal_attention``."""
+    S, Sk = q.shape[2], k.shape[2]
+    # the kernel's own causal mask aligns query i with key i: right when S = Sk; a query of a
+    # generation step (S < Sk, its keys cached) sees the keys up to its own position
+    mask = None if S == Sk else torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril(Sk - S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=S == Sk,
+                                          enable_gqa=k.shape[1] != q.shape[1])  # (B, H, S, Dh)
 
 
 class FeedForward(nn.Module):

@@ -22,6 +22,8 @@ import torch
 
 from minitp.measure import calibrate as machine
 from minitp.measure.activations import run_recomputed, saved_bytes_per_block
+from minitp.measure.elements import SHAPES, element_costs
+from minitp.models import BYTE
 
 
 # -- minitp calibrate ------------------------------------------------------------------------------
@@ -120,6 +122,8 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
     flops = machine.matmul_flops_per_s(*machine.TINY_SHAPE)
     large = machine.matmul_flops_per_s(512, 512, 512, repeats=5)
     fixed = machine.fixed_costs(flops)
+    byte = machine.tiny_step_s((1,), *SHAPES["byte"], repeats=5, cfg=BYTE)[1]
+    elements = element_costs(large, fixed, byte)
     own = launch(_own_work_worker, 1, repeats, echo=False, timeout=120)[0]
     op_costs = launch(_op_cost_worker, 1, repeats, echo=False, timeout=120)[0]
     results = launch(machine._all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
@@ -151,7 +155,7 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
     moe_flops_s = machine.moe_extra_flops_s(flops)
     return {
         "name": "gloo, 1 thread per rank", "flops_per_s": flops, "flops_per_s_large": large,
-        "matmul_shape": list(machine.TINY_SHAPE), **fixed,
+        "matmul_shape": list(machine.TINY_SHAPE), **fixed, **elements,
         **machine.fit_own_work(own["step_s"], own["calls"], own["call_s"]),
         "own_calls": own["calls"], "call_s": own["call_s"],
         **machine.fit_op_costs(op_costs["fb_s"], op_costs["ops"], moe_flops_s),
@@ -164,15 +168,15 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
 
 
 # -- activations kept for backward, per rank of tensor parallel ------------------------------------
-def _activations_worker(model_name: str, batch: int, seq: int, sequence_parallel: bool,
+def _activations_worker(model_name, batch: int, seq: int, sequence_parallel: bool,
                         recompute: bool, seed: int) -> dict:
     import torch.distributed as dist
 
     from minitp import tp as tensor_parallel
-    from minitp.models import build_model, get_config
+    from minitp.models import ModelConfig, build_model, get_config
 
     torch.set_num_threads(1)
-    cfg = get_config(model_name)
+    cfg = model_name if isinstance(model_name, ModelConfig) else get_config(model_name)
     model = build_model(cfg, seed=seed)
     if dist.get_world_size() > 1 or sequence_parallel:
         tensor_parallel.parallelize(model, dist.group.WORLD, sequence_parallel)
@@ -184,11 +188,11 @@ def _activations_worker(model_name: str, batch: int, seq: int, sequence_parallel
 
 
 def measure_activations(tp: int = 2, sequence_parallel: bool = False, recompute: bool = False,
-                        model: str = "tiny", batch: int = 2, seq: int = 16, seed: int = 0,
+                        model="tiny", batch: int = 2, seq: int = 16, seed: int = 0,
                         timeout: float = 120.0) -> list[list[int]]:
-    """Launch ``tp`` ranks of tensor parallel, run one forward, and return per rank the bytes
-    each block saved for backward (``[[block 0, block 1, ...], ...]``), measured by saved-tensor
-    hooks."""
+    """Launch ``tp`` ranks of tensor parallel, run one forward of ``model`` (a preset's name or a
+    ``ModelConfig``), and return per rank the bytes each block saved for backward
+    (``[[block 0, block 1, ...], ...]``), measured by saved-tensor hooks."""
     from minitp.launcher import launch
 
     results = launch(_activations_worker, tp, model, batch, seq, sequence_parallel, recompute, seed,

@@ -14,7 +14,7 @@ from minitp.launcher import launch
 from minitp.measure.memory import held_bytes
 from minitp.models import build_model, get_config
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
-from minitp.pp_schedules import SCHEDULES
+from minitp.pp_schedules import RUNNER_SCHEDULES
 from minitp.runs.common import build_report, check_run, worker_summary
 from minitp.runs.registry import Option, Strategy, register
 from minitp.runs.report import Report
@@ -168,6 +168,6 @@ def run_pp(nproc: int = 4, steps: int = 4, microbatches: int = 8, schedule: str 
 register(Strategy("pp", run_pp,
                   "pipeline parallel: one stage of blocks per rank, micro-batches on a schedule", (
     Option("microbatches", int, 8, "micro-batches per step", low=1),
-    Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=RUNNER_SCHEDULES),
     Option("virtual_stages", int, 1, "chunks per rank (interleaved only; 1 means 2 there)", low=1),
 )))

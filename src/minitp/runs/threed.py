@@ -19,7 +19,7 @@ from minitp.models import build_model, get_config
 from minitp.models.moe import MoEConfig, build_moe_model, moe_config, moe_layers
 from minitp.models.train import TrainConfig, synthetic_batches
 from minitp.parallel3d import Parallel3D, unshard_3d
-from minitp.pp_schedules import SCHEDULES
+from minitp.pp_schedules import RUNNER_SCHEDULES
 from minitp.runs.common import build_report, check_run, step_events, worker_summary
 from minitp.runs.context_parallel import ATTENTION
 from minitp.runs.expert_parallel import moe_reference
@@ -292,7 +292,7 @@ register(Strategy("3d", run_3d,
            choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)",
            low=1, optional=True),
-    Option("schedule", str, "1f1b", "pipeline schedule", choices=tuple(SCHEDULES)),
+    Option("schedule", str, "1f1b", "pipeline schedule", choices=RUNNER_SCHEDULES),
     Option("virtual_stages", int, None, "chunks per rank with --schedule interleaved (default 2)",
            low=1, optional=True),
     Option("save_to", str, None, "save a sharded checkpoint into this folder after the last step",

@@ -56,6 +56,7 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
     bar = _bar(s, start, progress_fd) if first else None
     stop = _StopOnInterrupt()
     losses, norms, recording, stopping = [], [], _trace.current(), False
+    seconds_taken = []  # each step's, but a profiled one's
     try:
         for step in range(start, s.steps):
             if recording is not None:
@@ -73,6 +74,8 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
             seconds = time.perf_counter() - t0
             losses.append(loss)
             norms.append(norm)
+            if not profiled:
+                seconds_taken.append(seconds)
             done = step + 1
             record = {"step": done, "loss": round(loss, 5), "grad_norm": round(norm, 5),
                       "lr": lr_at(step, s), "seconds": round(seconds, 4),
@@ -96,7 +99,8 @@ def train_worker(s: Settings, peak_flops: float | None = None, progress_fd: int 
         stop.restore()
         if bar is not None:
             bar.close()
-    out = {"losses": losses, "norms": norms, "start": start, "stopped": stopping,
+    out = {"losses": losses, "norms": norms, "seconds": seconds_taken, "start": start,
+           "stopped": stopping,
            "signal": stop.signal, "coords": [mesh.coords.dp, mesh.coords.pp, mesh.coords.tp]}
     if keep_shards:
         out["shards"] = par.local_shards()

@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -245,6 +246,40 @@ def _peak_flops() -> float | None:
     return matmul_flops_per_s(512, 512, 512, repeats=5)  # none stored: a fraction of a second
 
 
+def predicted_step_s(s: Settings, device) -> float:
+    """The time model's step for these settings' layout (``minitp.cost.step_time``, fp32) on
+    ``device``: what ``--layout auto`` ranks, and ``minitp train`` prints beside the measured
+    step."""
+    from minitp import cost
+
+    return cost.step_time(s.config, s.batch_size, s.seq_len, s.dp, s.tp, s.pp, device,
+                          s.microbatches if s.pp > 1 else 1, s.data_parallel, s.zero or 3, "fp32",
+                          cp=s.cp, ep=s.ep, virtual_stages=s.virtual_stages,
+                          cp_attention=s.cp_attention).step_s
+
+
+WARM = 2  # steps left out of the measured step: the first ones build caches and buffers
+
+
+def measured_and_predicted(s: Settings, results) -> str | None:
+    """'step: measured X ms (...), predicted Y ms (...)' once the run took more than ``WARM``
+    steps and a calibration is stored; else None."""
+    from minitp import cost
+    from minitp.measure.calibrate import read_calibration
+
+    cal, _ = read_calibration()
+    # the slowest rank's step, step by step (each step ends with every rank)
+    taken = [max(r["seconds"][i] for r in results) for i in range(min(len(r["seconds"])
+                                                                      for r in results))]
+    if cal is None or len(taken) <= WARM:
+        return None
+    measured = statistics.median(taken[WARM:])
+    predicted = predicted_step_s(s, cost.device_from_calibration(cal))
+    return (f"step: measured {measured * 1e3:.0f} ms (median of {len(taken) - WARM} steps after "
+            f"{WARM}), predicted {predicted * 1e3:.0f} ms (minitp.cost.step_time on this machine's "
+            f"calibration): {measured / predicted:.2f}x")
+
+
 # -- --layout auto ---------------------------------------------------------------------------------
 def auto_layout(s: Settings, nproc: int) -> tuple[Settings, list[dict]]:
     """The planner's pick for ``nproc`` processes of this machine: every (dp, pp, tp) the model and
@@ -268,8 +303,7 @@ def auto_layout(s: Settings, nproc: int) -> tuple[Settings, list[dict]]:
             option.check()
         except ValueError:
             continue
-        step = cost.step_time(s.config, s.batch_size, s.seq_len, dp, tp, pp, device,
-                              option.microbatches, s.data_parallel, s.zero or 3, "fp32").step_s
+        step = predicted_step_s(option, device)
         rows.append({"dp": dp, "pp": pp, "tp": tp, "microbatches": option.microbatches,
                      "step_s": step})
     if not rows:
