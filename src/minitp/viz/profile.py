@@ -42,8 +42,8 @@ def step_profile(per_rank, *, title: str = "", width: float = 9.0):
     y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}
     names = {"spans": "spans", "operators": "operators", "comm": "world messages"}
     for rank, (ax, events) in enumerate(zip(axes, per_rank)):
-        def bar(a: float, b: float, row: str, color: str, gid: str, height: float = 0.7, ax=ax):
-            ax.barh(y[row], (b - a) * 1e3, left=(a - t0) * 1e3, height=height, color=color,
+        def bar(a: float, b: float, row: str, color: str, gid: str, ax=ax):
+            ax.barh(y[row], (b - a) * 1e3, left=(a - t0) * 1e3, height=0.7, color=color,
                     edgecolor="none", gid=gid)
 
         for sp in (e for e in events if e.kind == "compute"):
@@ -52,12 +52,19 @@ def step_profile(per_rank, *, title: str = "", width: float = 9.0):
             if style.text_fits((sp.end - sp.start) / (tmax - t0) * width * 72 * 0.8, sp.op):
                 ax.text(((sp.start + sp.end) / 2 - t0) * 1e3, y["spans"], sp.op, ha="center",
                         va="center", fontsize=TEXT_PT, color=style.text_on(shade))
+        # thousands of operators: one collection per kind and row, not a bar each
+        pieces: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for a, b, kind in timeline(events):
             if kind != "python":
-                bar(a, b, "operators", CATEGORY_COLORS[kind], f"time:{kind}")
+                pieces.setdefault(("operators", kind), []).append(((a - t0) * 1e3, (b - a) * 1e3))
         for e in (e for e in events if e.kind == "comm"):
-            bar(e.start, e.end, e.dim or "comm", CATEGORY_COLORS["communication"],
-                f"comm:{e.dim or 'comm'}", height=0.5)
+            pieces.setdefault((e.dim or "comm", "communication"), []).append(
+                ((e.start - t0) * 1e3, (e.end - e.start) * 1e3))
+        for (row, kind), spans in pieces.items():
+            height = 0.7 if row == "operators" else 0.5
+            gid = f"time:{kind}" if row == "operators" else f"comm:{row}"
+            ax.broken_barh(spans, (y[row] - height / 2, height), facecolors=CATEGORY_COLORS[kind],
+                           edgecolor="none", gid=gid)
         ax.set_yticks([y[r] for r in rows], [names.get(r, f"{r} messages") for r in rows],
                       fontsize=TEXT_PT)
         share = shares(events)
