@@ -67,7 +67,7 @@ KINDS = {
         "test_checkpoint_cp_ep.py", "test_checkpoint_refusals.py", "test_chrome_trace.py", "test_cli.py",
         "test_cli_input.py", "test_comm.py", "test_cost_time.py", "test_cp.py", "test_cp_allgather.py",
         "test_cp_attention_kinds.py", "test_cp_ulysses.py", "test_ddp.py", "test_env_and_messages.py",
-        "test_ep.py", "test_ep_gradients.py", "test_export.py", "test_fsdp.py", "test_launch.py", "test_mesh.py",
+        "test_ep.py", "test_ep_gradients.py", "test_export.py", "test_fsdp.py", "test_hsdp.py", "test_launch.py", "test_mesh.py",
         "test_multinode.py", "test_parallel3d.py", "test_torchrun_engine.py", "test_parallel3d_ep.py",
         "test_parallel3d_interleaved.py", "test_plan.py", "test_pp.py", "test_pp_bubble_decomposition.py",
         "test_pp_schedules.py", "test_pp_v_schedules.py", "test_pytorch_impl.py", "test_readme.py", "test_reliability_checkpoint.py",

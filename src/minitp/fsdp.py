@@ -281,6 +281,7 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
     def _finish_reduce(self, unit: Unit) -> None:
         handle, out, _ = unit.reducing
         handle.wait()
+        self._reduce_across_replicas(unit, out)
         if self.zero == 1:
             s = unit.shard_numel
             unit.grad_shard = unit.grad_full[self.rank * s:(self.rank + 1) * s]
@@ -298,6 +299,10 @@ class FullyShardedDataParallel(GradientSync, nn.Module):
             if not used and lo < hi and used_by_no_rank(out[lo:hi]):
                 unit.untouched.append(range(lo, hi))
         unit.used[:] = [False] * len(unit.used)
+
+    def _reduce_across_replicas(self, unit: Unit, out: torch.Tensor) -> None:
+        """The seam of hybrid sharding: nothing here; ``minitp.hsdp`` averages ``out`` (this
+        rank's reduced shard, fp32) over the replicas of the model."""
 
     def _shard_range(self, unit: Unit) -> range:
         return shard_range(unit.plan.numel, self.world_size, self.rank)

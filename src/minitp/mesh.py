@@ -43,6 +43,19 @@ from minitp.grid import check_layout, coordinates, group_lists, rank_of
 from minitp.layout import AXES, DIMS, check_divisible
 
 
+def make_groups(dim: str, lists: list[list[int]]):
+    """Create every group of ``lists`` (collective: all ranks, same order), name each ``dim``;
+    return (the one this rank is in, its ranks), or (None, None). The one place groups are made:
+    the mesh's dimensions, and HSDP's two halves of data parallel (``minitp.hsdp``)."""
+    mine, members = None, None
+    for ranks in lists:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            comm.name_group(group, dim)  # its messages are recorded with Event.dim == dim
+            mine, members = group, ranks
+    return mine, members
+
+
 class Mesh:
     """This rank's place on a (dp, pp, tp) mesh over the whole world, and its process groups.
 
@@ -83,14 +96,10 @@ class Mesh:
                 self.expert_dp_group = expert_dp or self.expert_dp_group
 
     def _make(self, dim: str, lists: list[list[int]], key: str | None = None):
-        """Create every group of ``lists`` (collective: all ranks, same order), name each ``dim``;
-        return the one this rank is in (None if none)."""
-        mine = None
-        for ranks in lists:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                comm.name_group(group, dim)  # its messages are recorded with Event.dim == dim
-                mine, self.group_ranks[key or dim] = group, ranks
+        """``make_groups``, keeping the members of the one this rank is in."""
+        mine, ranks = make_groups(dim, lists)
+        if mine is not None:
+            self.group_ranks[key or dim] = ranks
         return mine
 
     @property

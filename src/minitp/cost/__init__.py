@@ -89,6 +89,8 @@ from minitp.cost.strategies import (
     fsdp_memory_per_rank,
     fsdp_run_bytes,
     fsdp_step_bytes,
+    hsdp_memory_per_rank,
+    hsdp_step_bytes,
     memory_per_rank,
     pp_bubble_fraction,
     pp_memory_per_rank,
@@ -140,7 +142,8 @@ __all__ = [
     # strategies: one collective, and each strategy alone
     "DTYPE_BYTES", "collective_sent_bytes", "ddp_step_bytes", "ddp_run_bytes", "memory_per_rank",
     "total_memory", "fsdp_step_bytes", "fsdp_run_bytes", "fsdp_memory_per_rank",
-    "fsdp_gathered_peak_bytes", "tp_region_bytes", "tp_mlp_bytes", "tp_block_bytes",
+    "fsdp_gathered_peak_bytes", "hsdp_step_bytes", "hsdp_memory_per_rank", "tp_region_bytes",
+    "tp_mlp_bytes", "tp_block_bytes",
     "tp_params_per_rank", "tp_memory_per_rank", "tp_mlp_params_per_rank", "pp_step_bytes",
     "pp_run_bytes", "pp_stage_params", "pp_memory_per_rank", "pp_bubble_fraction",
     "pp_peak_microbatches_in_flight",

@@ -1,5 +1,5 @@
 """One strategy at a time: the bytes and memory of data parallel (DDP), fully sharded data parallel
-(ZeRO / FSDP), tensor parallel and pipeline parallel.
+(ZeRO / FSDP) and its hybrid (HSDP), tensor parallel and pipeline parallel.
 
 The first of ``minitp.cost``'s modules: it imports none of the others (the notation, and the table
 of what each collective sends, are in the package's docstring). Each call of a collective is counted
@@ -154,6 +154,38 @@ def fsdp_gathered_peak_bytes(unit_numels: list[int], world_size: int, zero: int 
     if prefetch and len(blocks) > 1:
         return base + max(a + b for a, b in zip(blocks, blocks[1:]))
     return base + max(blocks)
+
+
+# -- hybrid sharded data parallel (HSDP) -----------------------------------------------------------
+# R replicas × S ranks (minitp.hsdp): FSDP inside each shard group of S ranks, so every unit is
+# padded to a multiple of S, not of R·S; then each rank all-reduces its gradient shard, P_u/S, over
+# the R ranks that hold the same shard in the other replicas. Per step each rank sends
+#
+#   shard group      fsdp_step_bytes with n = S
+#   replicate group  Σ_u 2(R-1)/R · P_u/S · b_r
+#
+# and holds what FSDP on S ranks holds: R does not appear in the memory.
+
+def hsdp_step_bytes(unit_numels: list[int], replicate: int, shard: int, zero: int = 3,
+                    reshard_after_forward: bool = True, param_bytes: int = 4,
+                    reduce_bytes: int = 4, root: bool = True) -> dict[str, float]:
+    """Bytes each rank sends in one HSDP step, per group: {"dp_shard", "dp_replicate"} (the names
+    of ``minitp.hsdp``'s groups in a trace). Arguments as ``fsdp_step_bytes``."""
+    if replicate < 1 or shard < 1:
+        raise ValueError(f"replicate and shard must be >= 1, got replicate={replicate}, "
+                         f"shard={shard}")
+    in_shard = fsdp_step_bytes(unit_numels, shard, zero, reshard_after_forward, param_bytes,
+                               reduce_bytes, root)
+    shards = [padded_numel(numel, shard) // shard for numel in unit_numels]  # P_u / S
+    across = sum(collective_sent_bytes("all_reduce", p * reduce_bytes, replicate) for p in shards)
+    return {"dp_shard": in_shard, "dp_replicate": across}
+
+
+def hsdp_memory_per_rank(unit_numels: list[int], shard: int, zero: int = 3,
+                         precision: str = "fp32") -> dict[str, float]:
+    """Bytes one rank holds under HSDP: ``fsdp_memory_per_rank`` over its shard group of ``shard``
+    ranks, whatever the number of replicas (with Adam, ZeRO-3: 16Ψ/S, not 16Ψ/(R·S))."""
+    return fsdp_memory_per_rank(unit_numels, shard, zero, precision)
 
 
 # -- tensor parallel -------------------------------------------------------------------------------
