@@ -71,7 +71,7 @@ KINDS = {
         "test_multinode.py", "test_parallel3d.py", "test_torchrun_engine.py", "test_parallel3d_ep.py",
         "test_parallel3d_interleaved.py", "test_plan.py", "test_pp.py", "test_pp_bubble_decomposition.py",
         "test_pp_schedules.py", "test_pp_v_schedules.py", "test_pytorch_impl.py", "test_readme.py", "test_reliability_checkpoint.py",
-        "test_reliability_launch.py", "test_replicas.py", "test_ring.py", "test_tp.py",
+        "test_reliability_launch.py", "test_replicas.py", "test_ring.py", "test_tp.py", "test_tp_overlap.py",
         "test_trace_fields.py", "test_trainer.py", "test_trainer_hardening.py", "test_trainer_moe_loss.py",
         "test_viz_collectives.py", "test_viz_explore.py", "test_viz_fsdp.py", "test_viz_mesh.py",
         "test_viz_pipeline.py", "test_viz_text_sizes.py", "test_viz_timeline.py", "test_viz_tp.py",
