@@ -129,7 +129,7 @@ def test_each_strategy_help_lists_its_own_options_only(strategy, own, foreign, c
 
 
 def test_every_registered_option_is_a_keyword_of_its_runner_with_the_same_default():
-    assert set(registry.STRATEGIES) == {"ddp", "fsdp", "tp", "swiglu", "pp", "3d", "cp", "ep"}
+    assert set(registry.STRATEGIES) == {"ddp", "fsdp", "hsdp", "tp", "swiglu", "pp", "3d", "cp", "ep"}
     for name, strategy in registry.STRATEGIES.items():
         assert strategy.runner is getattr(runs, f"run_{name}")
         signature = inspect.signature(strategy.runner).parameters

@@ -190,3 +190,17 @@ def test_a_grid_that_is_not_the_world_is_refused_with_what_was_expected():
     # on the ranks, before any group is made: the same sentence
     assert {r["refused"] for r in _run(2)} == {
         "replicate=2 × shard=2 = 4 ranks, expected the world's 2 (replicate=1)"}
+
+
+def test_minitp_run_hsdp_is_a_checked_run_with_each_groups_bytes_and_refuses_a_grid_that_is_not_the_world(capsys):
+    from minitp import cli
+    from minitp.runs import run_hsdp
+
+    report = run_hsdp(nproc=4, replicate=2, steps=2)
+    assert report.check() == []
+    expected = report.details["bytes_by_group_expected"]
+    assert expected["dp_shard"] > 0 and expected["dp_replicate"] > 0
+    assert report.details["bytes_by_group_traced"] == [expected] * 4  # every rank, each group, to the byte
+    assert cli.main(["run", "hsdp", "--nprocs", "4", "--replicate", "3"]) != 0
+    said = capsys.readouterr().err
+    assert "nproc=4 is not divisible by replicate=3" in said and said.count("\n") <= 2

@@ -12,7 +12,7 @@ One module per family of strategies; each registers its runner and options in
 
 from minitp.runs.common import train_steps
 from minitp.runs.context_parallel import run_cp
-from minitp.runs.data_parallel import run_ddp, run_fsdp
+from minitp.runs.data_parallel import run_ddp, run_fsdp, run_hsdp
 from minitp.runs.expert_parallel import run_ep
 from minitp.runs.pipeline import run_pp
 from minitp.runs.references import max_abs_diff
@@ -21,5 +21,5 @@ from minitp.runs.tensor_parallel import run_swiglu, run_tp
 from minitp.runs.threed import run_3d
 
 __all__ = ["Report", "check", "format_report", "max_abs_diff", "PARAM_TOLERANCE", "train_steps",
-           "run_ddp", "run_fsdp", "run_tp", "run_swiglu", "run_pp", "run_3d",
+           "run_ddp", "run_fsdp", "run_hsdp", "run_tp", "run_swiglu", "run_pp", "run_3d",
            "run_ep", "run_cp"]

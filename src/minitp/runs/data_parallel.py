@@ -1,4 +1,5 @@
-"""Checked runs of data parallelism: DDP (every rank the whole model) and FSDP (ZeRO-1/2/3)."""
+"""Checked runs of data parallelism: DDP (every rank the whole model), FSDP (ZeRO-1/2/3) and HSDP
+(FSDP inside each replica, an all-reduce across them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from minitp import cost, layout
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel, unit_numels
 from minitp.launcher import launch
+from minitp.layout import check_divisible
 from minitp.measure.memory import held_bytes
 from minitp.models import build_model, get_config
 from minitp.models.train import TrainConfig, make_optimizer, synthetic_batches
@@ -132,4 +134,55 @@ register(Strategy("fsdp", run_fsdp, "fully sharded data parallel: ZeRO-1/2/3 ove
            "ZeRO-3: keep gathered parameters from forward to backward", negate=True),
     Option("prefetch", bool, True, "no early all-gather of the next unit", negate=True),
     Option("checkpoint", bool, False, "activation checkpointing of the blocks"),
+)))
+
+
+# -- HSDP -----------------------------------------------------------------------------------------
+def _hsdp_worker(model_name: str, train: TrainConfig, replicate: int, shard: int) -> dict:
+    from minitp.hsdp import HybridShardedDataParallel, hsdp_groups
+
+    cfg = get_config(model_name)
+    model = build_model(cfg, seed=train.seed)
+    hsdp = HybridShardedDataParallel(model, *hsdp_groups(replicate, shard))
+    optimizer = hsdp.attach(make_optimizer(hsdp.parameters(), train.lr))
+    # every one of the R·S ranks its own rows of the batch, as DDP and FSDP
+    losses, times = train_steps(model, hsdp, synthetic_batches(cfg, train), split_batch, optimizer)
+    memory = hsdp.held_bytes()
+    return worker_summary(losses, times, memory, state=hsdp.full_state_dict())
+
+
+def run_hsdp(nproc: int = 4, replicate: int = 2, steps: int = 4, model: str = "tiny",
+             batch_size: int = 8, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
+             backend: str = "gloo", timeout: float = 300.0) -> Report:
+    """Train with ``minitp.hsdp`` on ``nproc`` = replicate × shard ranks (ZeRO-3 inside each shard
+    group) and report it against the three oracles: one process, the bytes of each group
+    (``cost.hsdp_step_bytes``, then the state dict's all-gather inside the shard group) and the
+    memory (``cost.hsdp_memory_per_rank``)."""
+    from minitp.hsdp import check_hsdp
+
+    train = check_run("hsdp", locals(), data_parallel=nproc)
+    layout.check_batch(batch_size, nproc)
+    check_divisible("nproc", nproc, "replicate", replicate, ": HSDP's ranks are replicate × shard")
+    shard = nproc // replicate
+    check_hsdp(replicate, shard, nproc)
+    cfg = get_config(model)
+    numels = unit_numels(build_model(cfg), shard)  # raises here, in the parent, for a bad plan
+    results = launch(_hsdp_worker, nproc, model, train, replicate, shard, backend=backend,
+                     timeout=timeout, echo=False)
+    per_step = cost.hsdp_step_bytes(numels, replicate, shard)
+    gather = cost.fsdp_run_bytes(numels, shard, 0) if shard > 1 else 0.0  # the state dict's
+    by_dim = {"dp_shard": steps * per_step["dp_shard"] + gather,
+              "dp_replicate": steps * per_step["dp_replicate"]}
+    traced = [{group: sum(e.sent_bytes for e in t.comm() if e.dim == group) for group in by_dim}
+              for t in results.traces]  # each rank's bytes in its shard and replicate groups
+    return build_report("hsdp", {"dp": nproc, "tp": 1, "pp": 1}, list(results), results, model,
+                        train, [sum(by_dim.values())] * nproc,
+                        [cost.hsdp_memory_per_rank(numels, shard)] * nproc, replicate=replicate,
+                        shard=shard, unit_numels=numels, bytes_by_group_expected=by_dim,
+                        bytes_by_group_traced=traced)
+
+
+register(Strategy("hsdp", run_hsdp, "hybrid sharded data parallel: ZeRO-3 inside each of "
+                  "replicate groups of ranks, the gradient shards all-reduced across them", (
+    Option("replicate", int, 2, "replicas (each sharded over nproc / replicate ranks)", low=1),
 )))
