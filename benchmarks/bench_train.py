@@ -27,23 +27,16 @@ import harness
 BATCH, SEQ = 16, 128  # minitp train's defaults
 
 
-def _worker(rounds: int, steps: int, warmup: int) -> dict:
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
+def _minitp_side(rounds: int, steps: int, warmup: int):
+    """minitp's side, as ``minitp train`` runs every step at dp = 2, cut in two where the harness
+    times it; with the run's settings and batches, for the other side to share."""
     from minitp import trainer
     from minitp.data import Sampler, load_corpus
     from minitp.mesh import Mesh
-    from minitp.models import loss_fn
-    from minitp.models.train import make_optimizer
     from minitp.parallel3d import Parallel3D
 
     s = trainer.Settings(dp=2, batch_size=BATCH, seq_len=SEQ, steps=warmup + rounds * steps + 1, warmup=2)
     sampler = Sampler(load_corpus().train, BATCH, SEQ, s.seed)
-    rank = dist.get_rank()
-    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
-
     par = Parallel3D(trainer.build(s.config, s.seed), Mesh(2, 1, 1), lr=s.lr)
 
     def minitp_step(i: int) -> None:  # trainer.train_step up to the optimizer, then the loss's mean
@@ -52,10 +45,34 @@ def _worker(rounds: int, steps: int, warmup: int) -> dict:
         trainer.clip_grad_norm_(par, s.clip)
         trainer.world_mean(loss, par.device)
 
-    def minitp_optimize(i: int) -> None:  # the rest of trainer.train_step
-        for group in par.optimizer.param_groups:
+    # the rest of trainer.train_step
+    return harness.Side(minitp_step, lambda: dict(par.module.named_parameters()),
+                        _optimize(par.optimizer, s)), s, sampler
+
+
+def _optimize(optimizer, s):
+    """Step i's optimizer step, at the run's learning rate for step i (either side's)."""
+    from minitp import trainer
+
+    def optimize(i: int) -> None:
+        for group in optimizer.param_groups:
             group["lr"] = trainer.lr_at(i, s)
-        par.optimizer.step()
+        optimizer.step()
+    return optimize
+
+
+def _worker(rounds: int, steps: int, warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from minitp import trainer
+    from minitp.models import loss_fn
+    from minitp.models.train import make_optimizer
+
+    minitp_side, s, sampler = _minitp_side(rounds, steps, warmup)
+    rank = dist.get_rank()
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
 
     model = trainer.build(s.config, s.seed)
     ddp = TorchDDP(model, broadcast_buffers=False, bucket_cap_mb=25, gradient_as_bucket_view=True)
@@ -69,13 +86,8 @@ def _worker(rounds: int, steps: int, warmup: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
         trainer.world_mean(loss.item(), torch.device("cpu"))
 
-    def torch_optimize(i: int) -> None:
-        for group in optimizer.param_groups:
-            group["lr"] = trainer.lr_at(i, s)
-        optimizer.step()
-
-    sides = {"minitp": harness.Side(minitp_step, lambda: dict(par.module.named_parameters()), minitp_optimize),
-             "torch": harness.Side(torch_step, lambda: dict(model.named_parameters()), torch_optimize)}
+    sides = {"minitp": minitp_side,
+             "torch": harness.Side(torch_step, lambda: dict(model.named_parameters()), _optimize(optimizer, s))}
     return harness.time_sides(sides, rounds, steps, warmup)
 
 
@@ -88,28 +100,10 @@ def _plain_worker(rounds: int, steps: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     from minitp import trainer
-    from minitp.data import Sampler, load_corpus
-    from minitp.mesh import Mesh
     from minitp.models import loss_fn
     from minitp.models.train import make_optimizer
-    from minitp.parallel3d import Parallel3D
 
-    s = trainer.Settings(dp=2, batch_size=BATCH, seq_len=SEQ, steps=warmup + rounds * steps + 1, warmup=2)
-    sampler = Sampler(load_corpus().train, BATCH, SEQ, s.seed)
-    par = Parallel3D(trainer.build(s.config, s.seed), Mesh(2, 1, 1), lr=s.lr)
-
-    def minitp_step(i: int) -> None:
-        par.optimizer.zero_grad(set_to_none=True)
-        loss = par.forward_backward(*sampler.batch(i))
-        trainer.clip_grad_norm_(par, s.clip)
-        trainer.world_mean(loss, par.device)
-
-    def minitp_optimize(i: int) -> None:
-        for group in par.optimizer.param_groups:
-            group["lr"] = trainer.lr_at(i, s)
-        par.optimizer.step()
-
-    minitp_side = harness.Side(minitp_step, lambda: dict(par.module.named_parameters()), minitp_optimize)
+    minitp_side, s, sampler = _minitp_side(rounds, steps, warmup)
     if dist.get_rank() != 0:  # nothing to do on the plain side; its parameters are rank 0's to compare
         return harness.time_sides({"minitp": minitp_side, "torch": harness.Side(None, minitp_side.params, None)},
                                   rounds, steps, warmup)
@@ -133,13 +127,8 @@ def _plain_worker(rounds: int, steps: int, warmup: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
         loss.item()
 
-    def plain_optimize(i: int) -> None:
-        for group in optimizer.param_groups:
-            group["lr"] = trainer.lr_at(i, s)
-        optimizer.step()
-
     plain = harness.Side(with_two_threads(plain_step), lambda: dict(model.named_parameters()),
-                         with_two_threads(plain_optimize))
+                         with_two_threads(_optimize(optimizer, s)))
     return harness.time_sides({"minitp": minitp_side, "torch": plain}, rounds, steps, warmup)
 
 

@@ -15,11 +15,10 @@ The averaging is an all-reduce, and how it is issued is the whole craft:
 * At the end of backward (an autograd callback) the remaining buckets are launched and all are
   waited for. Each ``param.grad`` is a **view into its bucket** (PyTorch's
   ``gradient_as_bucket_view``), so the averaged values are already where the optimizer reads them:
-  nothing is copied back. A gradient enters its bucket divided by n, the whole bucket in one
-  operation once its last gradient is ready (in place if backward accumulated straight into the
-  views); the hook on each parameter only counts it. Chapter 01's exercise copies each gradient in
-  its own hook, which says the same in fewer lines and costs a Python call of tensor work per
-  parameter.
+  nothing is copied back. The hook on each parameter only counts it; once a bucket's last gradient
+  is ready, each of its gradients enters it divided by n, in one pass (in place if backward
+  accumulated straight into the view). Chapter 01's exercise copies each gradient in its own hook,
+  which says the same in fewer lines.
 * ``no_sync()`` turns the hooks off, so gradients just accumulate locally (gradient
   accumulation); the first backward outside it all-reduces the accumulated sum, or
   ``finish_gradients()`` does it at once (the data-parallel protocol, ``minitp.replicas``).
@@ -148,17 +147,11 @@ class DistributedDataParallel(GradientSync, nn.Module):
         now on each gradient is its view: backward accumulates in the bucket itself."""
         grads = [p.grad for p in bucket.params]
         bucket.unused_here = [i for i, g in enumerate(grads) if g is None]
-        used = [(g, view) for g, view in zip(grads, bucket.views) if g is not None]
-        if any(g.data_ptr() == view.data_ptr() for g, view in used):  # accumulated in place: as is
-            for g, view in used:
-                torch.add(self._zero, g, alpha=self._share, out=view)
-        elif used:  # the usual pass: one operation for the whole bucket, not one per parameter
-            bucket.buffer.zero_()
-            torch._foreach_add_([view for _, view in used], [g for g, _ in used], alpha=self._share)
-        for i in bucket.unused_here:  # took no part in this forward: -0.0 says so
-            bucket.views[i].fill_(-0.0)
         for p, g, view in zip(bucket.params, grads, bucket.views):
-            if g is not None:
+            if g is None:  # took no part in this forward: -0.0 says so
+                view.fill_(-0.0)
+            else:  # one pass (in place where backward accumulated into the view already)
+                torch.add(self._zero, g, alpha=self._share, out=view)
                 p.grad = view
         with _trace.tagged(phase="backward"):  # the gradients' all-reduce, whenever it is launched
             bucket.handle = comm.all_reduce(bucket.buffer, group=self.group,

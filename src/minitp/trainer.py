@@ -208,7 +208,7 @@ def clip_grad_norm_(par: Parallel3D, max_norm: float) -> float:
     norm = squares.sqrt().item()
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
-        torch._foreach_mul_(all_gradients(par), coef)
+        torch._foreach_mul_(grads if alike else all_gradients(par), coef)
     return norm
 
 

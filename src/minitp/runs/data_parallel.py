@@ -158,19 +158,16 @@ def run_hsdp(nproc: int = 4, replicate: int = 2, steps: int = 4, model: str = "t
     group) and report it against the three oracles: one process, the bytes of each group
     (``cost.hsdp_step_bytes``, then the state dict's all-gather inside the shard group) and the
     memory (``cost.hsdp_memory_per_rank``)."""
-    from minitp.hsdp import check_hsdp
-
     train = check_run("hsdp", locals(), data_parallel=nproc)
     layout.check_batch(batch_size, nproc)
     check_divisible("nproc", nproc, "replicate", replicate, ": HSDP's ranks are replicate × shard")
     shard = nproc // replicate
-    check_hsdp(replicate, shard, nproc)
     cfg = get_config(model)
     numels = unit_numels(build_model(cfg), shard)  # raises here, in the parent, for a bad plan
     results = launch(_hsdp_worker, nproc, model, train, replicate, shard, backend=backend,
                      timeout=timeout, echo=False)
     per_step = cost.hsdp_step_bytes(numels, replicate, shard)
-    gather = cost.fsdp_run_bytes(numels, shard, 0) if shard > 1 else 0.0  # the state dict's
+    gather = cost.fsdp_run_bytes(numels, shard, 0)  # the state dict's all-gather (none at S = 1)
     by_dim = {"dp_shard": steps * per_step["dp_shard"] + gather,
               "dp_replicate": steps * per_step["dp_replicate"]}
     traced = [{group: sum(e.sent_bytes for e in t.comm() if e.dim == group) for group in by_dim}

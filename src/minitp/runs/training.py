@@ -269,8 +269,7 @@ def measured_and_predicted(s: Settings, results) -> str | None:
 
     cal, _ = read_calibration()
     # the slowest rank's step, step by step (each step ends with every rank)
-    taken = [max(r["seconds"][i] for r in results) for i in range(min(len(r["seconds"])
-                                                                      for r in results))]
+    taken = [max(ranks) for ranks in zip(*(r["seconds"] for r in results))]
     if cal is None or len(taken) <= WARM:
         return None
     measured = statistics.median(taken[WARM:])
