@@ -4,7 +4,7 @@ minitp's second model family (``minitp.models.gpt2``) has never been parallelize
 minitp knows it. Here you split it yourself, write its training step, save it sharded and load it
 onto another layout. ``minitp grade student/project.py`` runs your file on 2 to 8 processes (four
 layouts, a load onto another, a restart after a planted kill, a run on real text) and prints a
-scorecard, one line per criterion, naming the mistake when one fails. Chapter 11 teaches what is
+scorecard, one line per criterion, naming the mistake when one fails. Chapter 13 teaches what is
 new.
 
 What the grader calls, the same on every rank, whatever the layout::

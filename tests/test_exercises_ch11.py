@@ -1,198 +1,240 @@
-"""Chapter 11's checkers: the right answers pass, each wrong answer is named, and the worked problems'
-answers are minitp.cost's and the GPT-2 shapes'."""
-
-from __future__ import annotations
-
-from pathlib import Path
+"""Chapter 11's checkers: the right answers pass, each planted mistake is caught and named, the stub
+is "not done yet", minitp's own answer is refused, and the worked problems' numbers."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minitp import comm
-from minitp.exercises import ExerciseError, ch11
-from minitp.exercises.grade import load_project
-
-PROJECT = load_project(str(Path(__file__).parent.parent / "notebooks" / "project.py"))
+from minitp.exercises import ExerciseError, ch11, reset_tries
 
 
-# -- exercise 1 --------------------------------------------------------------------------------------
-def test_the_projects_split_passes(capsys):
-    ch11.check_shard(PROJECT.shard)
-    assert "[ok] the split of GPT-2: correct" in capsys.readouterr().out
+@pytest.fixture(autouse=True)
+def _fresh_tries():
+    reset_tries()
 
 
-def contiguous_qkv(name, whole, tp, rank):
-    if "c_attn." in name:
-        return whole.chunk(tp)[rank].clone()
-    return PROJECT.shard(name, whole, tp, rank)
+# -- exercise 1: the gather ring with its matmul ---------------------------------------------------
+def gather_matmul(x_shard, weight, group):
+    n, r = comm.group_size(group), comm.group_rank(group)
+    ranks = comm.group_ranks(group)
+    right, left = ranks[(r + 1) % n], ranks[(r - 1) % n]
+    local = x_shard.shape[1]
+    out = x_shard.new_empty(x_shard.shape[0], n * local, weight.shape[0])
+    held = x_shard
+    for k in range(n):
+        if k < n - 1:
+            incoming = torch.empty_like(held)
+            handles = [comm.isend(held, right, group), comm.irecv(incoming, left, group)]
+        c = (r - k) % n
+        out[:, c * local:(c + 1) * local] = F.linear(held, weight)
+        if k < n - 1:
+            for h in handles:
+                h.wait()
+            held = incoming
+    return out
 
 
-def split_layernorm(name, whole, tp, rank):
-    if ".ln_" in name:
-        return whole.chunk(tp)[rank].clone()
-    return PROJECT.shard(name, whole, tp, rank)
+def gather_first(x_shard, weight, group):
+    """Waits for each message before multiplying: the right values, nothing hidden."""
+    n, r = comm.group_size(group), comm.group_rank(group)
+    local = x_shard.shape[1]
+    chunks, held = {r: x_shard}, x_shard
+    for k in range(n - 1):
+        incoming = torch.empty_like(held)
+        handles = [comm.isend(held, (r + 1) % n, group), comm.irecv(incoming, (r - 1) % n, group)]
+        for h in handles:
+            h.wait()
+        held = chunks[(r - k - 1) % n] = incoming
+    out = x_shard.new_empty(x_shard.shape[0], n * local, weight.shape[0])
+    for c, chunk in chunks.items():
+        out[:, c * local:(c + 1) * local] = F.linear(chunk, weight)
+    return out
 
 
-def row_by_rows(name, whole, tp, rank):
-    if name.endswith("c_proj.weight"):
-        return whole.chunk(tp)[rank].clone()
-    return PROJECT.shard(name, whole, tp, rank)
+def with_all_gather(x_shard, weight, group):
+    n = comm.group_size(group)
+    parts = [torch.empty_like(x_shard) for _ in range(n)]
+    whole = torch.empty(n * x_shard.shape[0], *x_shard.shape[1:])
+    comm.all_gather(whole, x_shard.contiguous(), group)
+    parts = whole.chunk(n, dim=0)
+    return F.linear(torch.cat(parts, dim=1), weight)
 
 
-def row_bias_split(name, whole, tp, rank):
-    if name.endswith("c_proj.bias"):
-        return whole.chunk(tp)[rank].clone()
-    return PROJECT.shard(name, whole, tp, rank)
+def rows_of_the_wrong_chunk(x_shard, weight, group):
+    """Writes step k's chunk into the rows of chunk (r + k): wrong on 3 ranks."""
+    n, r = comm.group_size(group), comm.group_rank(group)
+    local = x_shard.shape[1]
+    out = x_shard.new_empty(x_shard.shape[0], n * local, weight.shape[0])
+    held = x_shard
+    for k in range(n):
+        if k < n - 1:
+            incoming = torch.empty_like(held)
+            handles = [comm.isend(held, (r + 1) % n, group), comm.irecv(incoming, (r - 1) % n, group)]
+        c = (r + k) % n
+        out[:, c * local:(c + 1) * local] = F.linear(held, weight)
+        if k < n - 1:
+            for h in handles:
+                h.wait()
+            held = incoming
+    return out
 
 
-@pytest.mark.parametrize("answer, said", [
-    (contiguous_qkv, "all of them q's"),
-    (split_layernorm, "h.0.ln_1.weight at tp=2: rank 0's slice is (64,); it is whole on every rank"),
-    (row_by_rows, "split along its columns (dim 1: a row-parallel layer's inputs)"),
-    (row_bias_split, "h.0.attn.c_proj.bias at tp=2: rank 0's slice is (64,); it is whole"),
+def stub(*args):
+    raise NotImplementedError
+
+
+def test_the_ring_passes():
+    ch11.check_gather_matmul(gather_matmul)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (gather_first, "waited for before any matmul ran beside it"),
+    (with_all_gather, "called all_gather"),
+    (rows_of_the_wrong_chunk, "output is wrong in the rows of chunks"),
+    (stub, "not done yet"),
 ])
-def test_a_wrong_split_is_named(answer, said):
-    with pytest.raises(ExerciseError, match=None) as caught:
-        ch11.check_shard(answer)
-    assert said in str(caught.value)
+def test_a_wrong_ring_is_caught(answer, says):
+    with pytest.raises(ExerciseError, match=says):
+        ch11.check_gather_matmul(answer)
 
 
-# -- exercise 2 --------------------------------------------------------------------------------------
-def row_parallel(x, weight, bias, group):
-    partial = torch.nn.functional.linear(x, weight)
-    comm.all_reduce(partial, group)
-    return partial + bias
+def test_minitps_own_ring_is_refused():
+    from minitp import tp_overlap
+
+    with pytest.raises(ExerciseError, match="exercise is to write it"):
+        ch11.check_gather_matmul(lambda x, w, g: tp_overlap.all_gather_matmul(x, w, g))
 
 
-def row_parallel_bias_before(x, weight, bias, group):
-    partial = torch.nn.functional.linear(x, weight, bias)
-    comm.all_reduce(partial, group)
-    return partial
+# -- exercise 2: HSDP's groups ---------------------------------------------------------------------
+def hsdp_ranks(world, replicate):
+    shard = world // replicate
+    shards = [list(range(i * shard, (i + 1) * shard)) for i in range(replicate)]
+    replicas = [list(range(s, world, shard)) for s in range(shard)]
+    return shards, replicas
 
 
-def row_parallel_no_sum(x, weight, bias, group):
-    return torch.nn.functional.linear(x, weight, bias)
+def test_the_groups_pass():
+    ch11.check_hsdp_ranks(hsdp_ranks)
 
 
-def test_a_stub_on_the_ranks_is_not_done_yet():
-    def stub(x, weight, bias, group):
-        raise NotImplementedError("Exercise: write this part, then run the checker below")
-
-    with pytest.raises(ExerciseError, match="not done yet"):
-        ch11.check_row_parallel(stub)
-
-
-def test_the_row_parallel_layer_passes(capsys):
-    ch11.check_row_parallel(row_parallel)
-    assert "[ok] the row-parallel layer with a bias: correct" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("answer, said", [
-    (row_parallel_bias_before, "holds the bias 2 times"),
-    (row_parallel_no_sum, "its own partial product"),
+@pytest.mark.parametrize("answer, says", [
+    (lambda w, r: hsdp_ranks(w, r)[::-1], "swapped"),
+    (lambda w, r: (hsdp_ranks(w, r)[0], [list(range(w))]), "replicate groups are"),
+    (lambda w, r: ([[i] for i in range(w)], hsdp_ranks(w, r)[1]), "shard groups are"),
+    (lambda w, r: None, "return a pair"),
 ])
-def test_a_wrong_row_parallel_layer_is_named(answer, said):
-    with pytest.raises(ExerciseError) as caught:
-        ch11.check_row_parallel(answer)
-    assert said in str(caught.value)
+def test_wrong_groups_are_caught(answer, says):
+    with pytest.raises(ExerciseError, match=says):
+        ch11.check_hsdp_ranks(answer)
 
 
-# -- exercise 3 --------------------------------------------------------------------------------------
-def exchange(grad, peer, group):
-    theirs = torch.empty_like(grad)
-    sent = comm.isend(grad.clone(), peer, group)
-    comm.recv(theirs, peer, group)
-    sent.wait()
-    grad += theirs
+# -- exercise 3: HSDP's gradient reduction ---------------------------------------------------------
+def hsdp_reduce(grad, shard_group, replicate_group):
+    s = comm.group_size(shard_group)
+    shard = torch.empty(grad.numel() // s)
+    comm.reduce_scatter(shard, grad, shard_group)
+    comm.all_reduce(shard, replicate_group)
+    return shard / (s * comm.group_size(replicate_group))
 
 
-def add_own(grad, peer, group):
-    grad += grad.clone()
+def replicas_first(grad, shard_group, replicate_group):
+    """All-reduces the whole gradient across the replicas, then reduce-scatters: the right
+    values, S times the bytes across machines."""
+    s = comm.group_size(shard_group)
+    comm.all_reduce(grad, replicate_group)
+    shard = torch.empty(grad.numel() // s)
+    comm.reduce_scatter(shard, grad, shard_group)
+    return shard / (s * comm.group_size(replicate_group))
 
 
-def one_side(grad, peer, group):
+def mean_over_the_shard_only(grad, shard_group, replicate_group):
+    s = comm.group_size(shard_group)
+    shard = torch.empty(grad.numel() // s)
+    comm.reduce_scatter(shard, grad, shard_group)
+    comm.all_reduce(shard, replicate_group)
+    return shard / s
+
+
+def over_the_world(grad, shard_group, replicate_group):
     import torch.distributed as dist
 
-    if dist.get_rank() == 0:
-        theirs = torch.empty_like(grad)
-        comm.recv(theirs, peer, group)
-        grad += theirs
-    else:
-        comm.send(grad, peer, group)
+    comm.all_reduce(grad)
+    s = comm.group_size(shard_group)
+    return grad.chunk(s)[comm.group_rank(shard_group)] / dist.get_world_size()
 
 
-def receive_first(grad, peer, group):
-    theirs = torch.empty_like(grad)
-    comm.recv(theirs, peer, group)  # both ranks wait here
-    comm.send(grad, peer, group)
-    grad += theirs
+def the_whole_gradient(grad, shard_group, replicate_group):
+    import torch.distributed as dist
+
+    comm.all_reduce(grad, replicate_group)
+    comm.all_reduce(grad, shard_group)
+    return grad / dist.get_world_size()
 
 
-def exchange_twice(grad, peer, group):
-    for _ in range(2):
-        theirs = torch.empty_like(grad)
-        sent = comm.isend(grad.clone(), peer, group)
-        comm.recv(theirs, peer, group)
-        sent.wait()
-    grad += theirs
+def test_the_reduction_passes():
+    ch11.check_hsdp_reduce(hsdp_reduce)
 
 
-def test_a_hanging_exchange_is_named_with_what_both_ranks_wait_in():
-    with pytest.raises(ExerciseError) as caught:
-        ch11.check_tied_gradients(receive_first, timeout=6)
-    said = str(caught.value)
-    assert "hung and was stopped after 6 s" in said and "Both ranks waiting to receive first" in said
-
-
-def test_the_exchange_passes(capsys):
-    ch11.check_tied_gradients(exchange)
-    assert "[ok] the tied embedding's gradients: correct" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("answer, said", [
-    (add_own, "added its own gradient again"),
-    (one_side, "rank 1 does not hold the sum"),
-    (exchange_twice, "each sends its gradient once"),
+@pytest.mark.parametrize("answer, says", [
+    (replicas_first, "reduce-scatter first"),
+    (mean_over_the_shard_only, "divided by one group.s size only"),
+    (over_the_world, "sent over the world"),
+    (the_whole_gradient, "returned the whole gradient"),
 ])
-def test_a_wrong_exchange_is_named(answer, said):
-    with pytest.raises(ExerciseError) as caught:
-        ch11.check_tied_gradients(answer)
-    assert said in str(caught.value)
+def test_a_wrong_reduction_is_caught(answer, says):
+    with pytest.raises(ExerciseError, match=says):
+        ch11.check_hsdp_reduce(answer)
 
 
-# -- exercise 4 --------------------------------------------------------------------------------------
-def counts_right(name, dp_rank, tp_rank):
-    if dp_rank or name == "lm_head.weight":
-        return False
-    split = any(part in name for part in ("c_attn.", "c_fc.", "c_proj.weight", "wte."))
-    return split or tp_rank == 0
+# -- exercise 4: the V -----------------------------------------------------------------------------
+def v_placement(p):
+    return [k if k < p else 2 * p - 1 - k for k in range(2 * p)]
 
 
-def test_the_rule_passes(capsys):
-    ch11.check_counts_in_norm(counts_right)
-    assert "[ok] what counts in the global norm: correct" in capsys.readouterr().out
+def test_the_v_passes():
+    ch11.check_v_placement(v_placement)
 
 
-@pytest.mark.parametrize("answer, said", [
-    (lambda name, dp, tp: dp == 0 and name != "lm_head.weight", "counted on tp rank 0 only"),
-    (lambda name, dp, tp: counts_right(name, 0, tp), "a dp replica holds the same gradient"),
-    (lambda name, dp, tp: counts_right(name, dp, tp) or (dp == 0 and name == "lm_head.weight"),
-     "counted there already"),
-    (lambda name, dp, tp: dp == 0 and tp == 0 and name != "lm_head.weight", "every slice counts"),
+@pytest.mark.parametrize("answer, says", [
+    (lambda p: [k % p for k in range(2 * p)], "interleaved 1F1B's placement"),
+    (lambda p: [k if k < p else 2 * p - k for k in range(2 * p)], "back up on the second"),
+    (lambda p: list(range(p)), "the model is cut in 2p"),
 ])
-def test_a_wrong_rule_is_named(answer, said):
-    with pytest.raises(ExerciseError) as caught:
-        ch11.check_counts_in_norm(answer)
-    assert said in str(caught.value)
+def test_a_wrong_v_is_caught(answer, says):
+    with pytest.raises(ExerciseError, match=says):
+        ch11.check_v_placement(answer)
 
 
-def test_the_answer_itself_is_refused():
-    with pytest.raises(ExerciseError, match="minitp's own answer"):
-        ch11.check_counts_in_norm(ch11.counts)
+# -- exercise 5: what stays exposed ----------------------------------------------------------------
+def exposed(chunk_s, message_s, n):
+    return (n - 1) * message_s, (n - 1) * max(0.0, message_s - chunk_s)
 
 
-# -- the worked problems ---------------------------------------------------------------------------
-def test_the_problems_answers():
-    assert ch11.PROBLEMS[1].want() == pytest.approx(31.0, abs=0.05)
-    assert ch11.PROBLEMS[2].want() == pytest.approx(50257 * 768 / 4 * 4 / 2**20)
-    assert ch11.PROBLEMS[3].want() == pytest.approx(1.758, abs=0.001)
+def test_the_exposed_time_passes():
+    ch11.check_exposed(exposed)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda c, m, n: (n * m, n * max(0.0, m - c)), "counts n messages"),
+    (lambda c, m, n: ((n - 1) * m, max(0.0, (n - 1) * m - n * c)), "hide behind any chunk"),
+    (lambda c, m, n: ((n - 1) * m, 0.0), "beyond its chunk"),
+])
+def test_a_wrong_exposed_time_is_caught(answer, says):
+    with pytest.raises(ExerciseError, match=says):
+        ch11.check_exposed(answer)
+
+
+# -- worked problems -------------------------------------------------------------------------------
+def test_the_worked_problems_numbers():
+    assert ch11.PROBLEMS[1].want() == pytest.approx(4.79, abs=0.01)
+    assert ch11.PROBLEMS[2].want() == pytest.approx(7.42, abs=0.01)
+    assert ch11.PROBLEMS[3].want() == pytest.approx(7 / 199)
+
+
+def test_a_slip_in_a_worked_problem_is_named():
+    with pytest.raises(ExerciseError, match="1F1B"):
+        ch11.check_problem(3, lambda: 7 / 39)
+    with pytest.raises(ExerciseError, match="whole gradient"):
+        ch11.check_problem(2, lambda: 8 * ch11.PROBLEMS[2].want())
+    ch11.check_problem(1, lambda: 4.8)

@@ -1,4 +1,4 @@
-"""Chapter 11's graduation exercise: chapter 09's run in PyTorch's own API (``minitp.exercises.graduate``)
+"""Chapter 13's graduation exercise: chapter 09's run in PyTorch's own API (``minitp.exercises.graduate``)
 passes with the solution and names each planted mistake: tensor parallel after FSDP, no FSDP, PyTorch's own
 clip_grad_norm_ on two meshes, a norm of the local shards, a checkpoint without the optimizer, a load that
 loads nothing."""

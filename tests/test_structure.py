@@ -266,7 +266,7 @@ def group_makers(trees: dict[str, ast.Module]) -> set[str]:
 
 
 # exercises' checkers build groups to check a learner's answer, and the ep runner its own world's two
-KNOWN_GROUP_MAKERS = {"minitp.exercises.ch06", "minitp.exercises.ch11", "minitp.runs.expert_parallel"}
+KNOWN_GROUP_MAKERS = {"minitp.exercises.ch06", "minitp.exercises.ch13", "minitp.runs.expert_parallel"}
 
 
 def test_only_the_mesh_makes_process_groups_for_the_trainer():

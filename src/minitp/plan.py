@@ -55,18 +55,25 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
                 ep: int = 1, activations: str = "llama", cp_attention: str = "ring") -> dict:
     """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one
     layout, from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or
-    True / "full". activations: how a dense block's activations are counted
-    (``cost.activation_bytes_per_rank``'s formula): "llama", minitp's block tensor by tensor;
-    "llama-regather", the same with the column-parallel inputs gathered again in backward under
-    sequence parallel (Megatron-LM; the extra all-gathers are not in the bytes or the time); "gpt3",
-    Korthikanti et al.'s count for GPT-3's block. cp: context parallel, each sequence split over cp
-    GPUs (ring attention; dp·cp·pp·tp GPUs in all): activations of S/cp positions, the ring's
-    key/value bytes, states sharded over dp·cp by ZeRO. cp_attention: how attention crosses the cp
-    group: "ring" (the default), "ulysses" (all-to-alls of the heads: cp must divide each tp rank's
-    heads and key/value heads, else the layout is refused) or "allgather" (LLaMA 3's: every rank
-    gathers the whole sequence's keys and values). Each way's bytes
-    (``cost.cp_mesh_step_bytes(attention=)``), time (``cost.step_time(cp_attention=)``: only the
-    ring's hide behind attention) and what its attention keeps beyond a block of S/cp positions
+    True / "full"; or, as ``minitp.offload`` runs them (``minitp.cost.offload``), "selective-op"
+    (op-level selective checkpointing: each block keeps its input and its matmuls' outputs, and
+    nothing recomputed costs a matmul or a message) or "offload" (each block's saved tensors go to
+    the host's memory and come back in backward: the device holds two blocks' of one micro-batch; a
+    "host" entry gives the bytes each way per step, what the host holds, and whether the link, at
+    ``device.host_link``'s rate, hides behind forward (out) and backward (in); what it does not is
+    added to the step), both for dense models without context parallel. activations: how a dense
+    block's activations are counted (``cost.activation_bytes_per_rank``'s formula): "llama",
+    minitp's block tensor by tensor; "llama-regather", the same with the column-parallel inputs
+    gathered again in backward under sequence parallel (Megatron-LM; the extra all-gathers are not
+    in the bytes or the time); "gpt3", Korthikanti et al.'s count for GPT-3's block. cp: context
+    parallel, each sequence split over cp GPUs (ring attention; dp·cp·pp·tp GPUs in all):
+    activations of S/cp positions, the ring's key/value bytes, states sharded over dp·cp by ZeRO.
+    cp_attention: how attention crosses the cp group: "ring" (the default), "ulysses" (all-to-alls
+    of the heads: cp must divide each tp rank's heads and key/value heads, else the layout is
+    refused) or "allgather" (LLaMA 3's: every rank gathers the whole sequence's keys and values).
+    Each way's bytes (``cost.cp_mesh_step_bytes(attention=)``), time
+    (``cost.step_time(cp_attention=)``: only the ring's hide behind attention) and what its
+    attention keeps beyond a block of S/cp positions
     (``cost.context.cp_attention_activation_bytes_per_rank``: the all-gather the whole sequence's
     keys and values, Ulysses its kernel's output at all S positions; nothing more under full
     recomputation).
@@ -106,7 +113,13 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
             f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
             f"of {micro_batch}")
     zero = check_zero(data_parallel, zero, pp)
-    recompute = cost.recompute_mode(recompute)
+    mode = cost.activation_mode(recompute)
+    if mode in ("selective-op", "offload") and (moe or cp > 1):
+        raise ValueError(
+            f"recompute={mode!r} is counted for a dense model without context parallel")
+    # what the formulas below see: offload and op-level selective recompute no matmul (and send
+    # nothing again); their activations are counted apart
+    recompute = mode if mode in ("none", "selective", "full") else "none"
     microbatches = batch_size // (dp * micro_batch) if pp > 1 else 1
     b = 2 if precision in ("bf16", "fp16") else 4
     stages = []
@@ -128,6 +141,13 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
             cfg, batch_size // dp // microbatches, seq_len, cp, tp, pp, s, microbatches,
             cp_attention, b, flash_attention, recompute, sequence_parallel, "moe" if moe
             else activations)
+        host = None
+        if mode in ("selective-op", "offload"):  # what stays on the device
+            kept_activations = cost.device_activation_bytes_per_rank(
+                *args[:8], flash_attention, mode, sequence_parallel, activations)
+        if mode == "offload":  # what crosses the host link, each way, and what the host holds
+            host = cost.host_link_bytes_per_step(*args[:8], flash_attention, sequence_parallel,
+                                                 activations)
         kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b,
                     grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute)
         if moe:
@@ -135,7 +155,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         else:
             sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, **kept,
                                            attention=cp_attention)
-        stages.append((states, kept_activations, sent))
+        stages.append((states, kept_activations, sent, host))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
     worst = max(range(pp), key=lambda s: cost.total_memory(stages[s][0]) + stages[s][1])
@@ -143,12 +163,19 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel,
                           zero or 3, precision, sequence_parallel, recompute, cp=cp, ep=ep,
                           cp_attention=cp_attention)
+    extra = {}
+    if mode == "offload":  # the host link's traffic against compute; what it exceeds is exposed
+        host = max((st[3] for st in stages), key=lambda h: h["out"])
+        extra["host"] = {**host, **cost.host_link_time(host["out"], device, time.compute_s)}
+        step_s = time.step_s + extra["host"]["exposed_s"]
+        time = replace(time, step_s=step_s, mfu=time.model_flops / (
+            step_s * dp * cp * pp * tp * device.flops_per_s))
     dims = (*reversed(AXES), "cp") + (("ep",) if moe else ())  # tp, pp, dp (fastest first), cp
     return {
         "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "cp_attention": cp_attention,
         "data_parallel": data_parallel, "zero": zero,
         "precision": precision,
-        "sequence_parallel": sequence_parallel, "recompute": recompute,
+        "sequence_parallel": sequence_parallel, "recompute": mode,
         "microbatches": microbatches, "worst_stage": worst,
         "activation_formula": "moe" if moe else activations,
         "memory": {**states, "activations": kept_activations},  # of the worst stage
@@ -157,6 +184,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         "bytes_per_step": {dim: max(st[2][dim] for st in stages) for dim in dims},
         "bubble_fraction": cost.pp_bubble_fraction(pp, microbatches),
         "device": device.name, "time": asdict(time), "step_s": time.step_s, "mfu": time.mfu,
+        **extra,
     }
 
 

@@ -28,13 +28,14 @@ Memory is counted as the bytes a rank **holds between steps**, right after the o
 with gradients still held: parameters, gradients and optimizer state (AdamW: two fp32 moments per
 parameter, ``exp_avg`` and ``exp_avg_sq``, plus one 4-byte ``step`` counter per parameter tensor).
 
-The formulas live in seven modules, each importing only those before it (at the top of the file),
+The formulas live in eight modules, each importing only those before it (at the top of the file),
 so they read in this order: ``strategies`` (DDP, FSDP, tensor and pipeline parallel, each alone)
 → ``activations`` (what autograd keeps) → ``threed`` (a rank of the dp × pp × tp mesh) → ``context``
 (ring attention; the dp·cp·pp·tp mesh) → ``experts`` (MoE and the all-to-alls) → ``devices`` (the
-hardware sheet) → ``time`` (FLOPs and messages in seconds). Nothing here reads a file or the
-environment: this machine's calibration is read by ``minitp.measure.calibrate`` and comes in as a
-``Device``. Every public name is re-exported here.
+hardware sheet) → ``time`` (FLOPs and messages in seconds) → ``offload`` (activations sent to the
+host or selectively recomputed). Nothing here reads a file or the environment: this machine's
+calibration is read by ``minitp.measure.calibrate`` and comes in as a ``Device``. Every public name
+is re-exported here.
 """
 
 from __future__ import annotations
@@ -81,10 +82,27 @@ from minitp.cost.experts import (
     moe_param_split,
     tokens_between_ranks,
 )
+from minitp.cost.offload import (
+    ACTIVATION_MODES,
+    OFFLOAD_BLOCKS_ON_DEVICE,
+    activation_mode,
+    block_saved_tensors,
+    cheap_recompute_flops_per_token,
+    device_activation_bytes_per_rank,
+    host_link_bytes_per_step,
+    host_link_time,
+    offloaded_block_bytes,
+    recompute_matmul_flops_per_token,
+    recompute_share,
+    selective_block_tensors,
+    tiny_block_saved_tensors,
+    tiny_selective_block_bytes,
+)
 from minitp.cost.strategies import (
     DTYPE_BYTES,
     ddp_run_bytes,
     ddp_step_bytes,
+    float8_all_gather_bytes,
     fsdp_gathered_peak_bytes,
     fsdp_memory_per_rank,
     fsdp_run_bytes,
@@ -131,6 +149,7 @@ from minitp.cost.time import (
     links_of_layout,
     overlap_budget_bytes,
     recompute_flops_per_token,
+    ring_exposed_s,
     step_time,
     training_flops_per_token,
 )
@@ -142,7 +161,8 @@ __all__ = [
     # strategies: one collective, and each strategy alone
     "DTYPE_BYTES", "collective_sent_bytes", "ddp_step_bytes", "ddp_run_bytes", "memory_per_rank",
     "total_memory", "fsdp_step_bytes", "fsdp_run_bytes", "fsdp_memory_per_rank",
-    "fsdp_gathered_peak_bytes", "hsdp_step_bytes", "hsdp_memory_per_rank", "tp_region_bytes",
+    "fsdp_gathered_peak_bytes", "hsdp_step_bytes", "hsdp_memory_per_rank",
+    "float8_all_gather_bytes", "tp_region_bytes",
     "tp_mlp_bytes", "tp_block_bytes",
     "tp_params_per_rank", "tp_memory_per_rank", "tp_mlp_params_per_rank", "pp_step_bytes",
     "pp_run_bytes", "pp_stage_params", "pp_memory_per_rank", "pp_bubble_fraction",
@@ -168,8 +188,14 @@ __all__ = [
     # time
     "Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
     "training_flops_per_token", "activation_elements", "recompute_flops_per_token", "compute_time",
-    "collective_time", "links_of_layout", "StepTime", "step_time", "arithmetic_intensity",
-    "overlap_budget_bytes",
+    "collective_time", "ring_exposed_s", "links_of_layout", "StepTime", "step_time",
+    "arithmetic_intensity", "overlap_budget_bytes",
+    # offload
+    "ACTIVATION_MODES", "activation_mode", "block_saved_tensors", "tiny_block_saved_tensors",
+    "offloaded_block_bytes", "selective_block_tensors", "tiny_selective_block_bytes",
+    "recompute_matmul_flops_per_token", "cheap_recompute_flops_per_token", "recompute_share",
+    "OFFLOAD_BLOCKS_ON_DEVICE", "device_activation_bytes_per_rank", "host_link_bytes_per_step",
+    "host_link_time",
     # from minitp.layout
     "check_3d_layout", "num_buckets", "padded_numel", "stage_num_blocks",
 ]

@@ -4,12 +4,13 @@ turned into a ``Device`` (``device_from_calibration``). Read by ``minitp.cost.ti
 re-exports every name here.
 
 **The hardware sheet.** ``H100`` and ``A100`` are the one place the course and the planner take a
-GPU's figures from: dense BF16 FLOP/s, HBM capacity and bandwidth, NVLink and InfiniBand bandwidth
-per GPU and **per direction**, each with its datasheet in a comment. Units: **GB is 10⁹ bytes, GiB
-2³⁰** (GB/s 10⁹ bytes per second, Gb/s 10⁹ bits), everywhere in minitp. A datasheet's "80GB" of HBM
-is 80 GiB: five stacks of 16 GiB each (the HBM3 of an H100 SXM, the HBM2e of an A100 SXM 80GB), so
-``memory_bytes`` is 80·2³⁰ = 85.9·10⁹ bytes (the driver keeps a little of it for itself). Link and
-memory bandwidths are decimal, as datasheets give them: 450 GB/s is 450·10⁹ bytes per second.
+GPU's figures from: dense BF16 FLOP/s, HBM capacity and bandwidth, NVLink, InfiniBand and PCIe (to
+the host's memory) bandwidth per GPU and **per direction**, each with its datasheet in a comment.
+Units: **GB is 10⁹ bytes, GiB 2³⁰** (GB/s 10⁹ bytes per second, Gb/s 10⁹ bits), everywhere in
+minitp. A datasheet's "80GB" of HBM is 80 GiB: five stacks of 16 GiB each (the HBM3 of an H100 SXM,
+the HBM2e of an A100 SXM 80GB), so ``memory_bytes`` is 80·2³⁰ = 85.9·10⁹ bytes (the driver keeps a
+little of it for itself). Link and memory bandwidths are decimal, as datasheets give them: 450 GB/s
+is 450·10⁹ bytes per second.
 """
 
 from __future__ import annotations
@@ -95,26 +96,33 @@ class Device:
     # diagonal, on the GPU sheets); minitp's attention on this machine computes every score, then
     # masks (False)
     causal_skip: bool = True
+    # the link between the GPU and its host's memory (PCIe), per direction: what activation offload
+    # crosses (``minitp.cost.offload``); None: not known (this machine: its "host" is its memory)
+    host_link: Link | None = None
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
 # * 989 TFLOP/s dense BF16 tensor core (the datasheet's 1,979 is with 2:4 sparsity);
 # * 80 GB HBM3 (five stacks of 16 GiB: 80 GiB) at 3.35 TB/s;
 # * NVLink 4, 900 GB/s per GPU in both directions together, so 450 GB/s each way;
-# * one ConnectX-7 NDR InfiniBand NIC per GPU (DGX H100), 400 Gb/s = 50 GB/s each way.
+# * one ConnectX-7 NDR InfiniBand NIC per GPU (DGX H100), 400 Gb/s = 50 GB/s each way;
+# * PCIe Gen5 x16 to the host, 128 GB/s both directions together, so 64 GB/s each way.
 # The α values (a few microseconds) are typical of NCCL rings, not published figures; efficiency 0.6
 # is an assumed share of peak for large bf16 matmuls in training.
 H100 = Device("H100 SXM", 989e12, Link("NVLink 4", 5e-6, 900e9 / 2),
               Link("InfiniBand NDR 400", 10e-6, 400e9 / 8), gpus_per_node=8,
-              memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=3.35e12)
+              memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=3.35e12,
+              host_link=Link("PCIe Gen5 x16", 10e-6, 128e9 / 2))
 # NVIDIA A100 SXM4 80 GB datasheet (A100 Tensor Core GPU):
 # * 312 TFLOP/s dense BF16 (624 with sparsity);
 # * 80 GB HBM2e (five stacks of 16 GiB: 80 GiB) at 2,039 GB/s;
 # * NVLink 3, 600 GB/s both directions together, 300 GB/s each way;
-# * one HDR InfiniBand NIC per GPU (DGX A100), 200 Gb/s = 25 GB/s each way.
+# * one HDR InfiniBand NIC per GPU (DGX A100), 200 Gb/s = 25 GB/s each way;
+# * PCIe Gen4 x16 to the host, 64 GB/s both directions together, so 32 GB/s each way.
 A100 = Device("A100 SXM 80GB", 312e12, Link("NVLink 3", 5e-6, 600e9 / 2),
               Link("InfiniBand HDR 200", 10e-6, 200e9 / 8), gpus_per_node=8,
-              memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=2.039e12)
+              memory_bytes=80 * 2**30, efficiency=0.6, memory_bytes_per_s=2.039e12,
+              host_link=Link("PCIe Gen4 x16", 10e-6, 64e9 / 2))
 DEVICES = {"h100": H100, "a100": A100}
 
 

@@ -188,6 +188,17 @@ def hsdp_memory_per_rank(unit_numels: list[int], shard: int, zero: int = 3,
     return fsdp_memory_per_rank(unit_numels, shard, zero, precision)
 
 
+# -- FSDP's all-gather in FP8 (``minitp.fp8``) -----------------------------------------------------
+def float8_all_gather_bytes(numel: int, world_size: int, current_scaling: bool = True) -> float:
+    """Bytes each rank sends to all-gather one weight of ``numel`` elements as e4m3 bytes (1 each,
+    against bf16's 2 and fp32's 4): (n-1)/n · numel, plus, under current scaling, the all-reduce of
+    its amax (one fp32 number, so that every rank casts with the same scale): 2(n-1)/n · 4.
+    Delayed scaling knows the scale from its history and sends no amax."""
+    gathered = collective_sent_bytes("all_gather", numel * 1, world_size)
+    amax = collective_sent_bytes("all_reduce", 4, world_size) if current_scaling else 0.0
+    return gathered + amax
+
+
 # -- tensor parallel -------------------------------------------------------------------------------
 # A = B·S·D·b: the bytes of one activation of the residual stream (batch B, sequence S, model dim D,
 # b bytes per element). Each rank sends, per training step (forward and backward):

@@ -45,9 +45,9 @@ from minitp.layout import CP_TILE, check_positive, cp_chunks
 
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
            "training_flops_per_token", "activation_elements", "recompute_flops_per_token",
-           "compute_time", "collective_time", "links_of_layout", "StepTime", "step_time",
-           "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops", "ring_ops", "moe_ops",
-           "link_on_machine"]
+           "compute_time", "collective_time", "ring_exposed_s", "links_of_layout", "StepTime",
+           "step_time", "arithmetic_intensity", "overlap_budget_bytes", "strategy_ops", "ring_ops",
+           "moe_ops", "link_on_machine"]
 
 
 # -- compute ---------------------------------------------------------------------------------------
@@ -201,6 +201,19 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
             f"unknown collective {op!r}; expected all_reduce, all_gather, reduce_scatter or send")
     return RING_PHASES[op] * (n - 1) * link.alpha_s + collective_sent_bytes(
         op, nbytes, n) / link.bytes_per_s
+
+
+def ring_exposed_s(chunk_s: float, message_s: float, n: int, overlapped: bool) -> float:
+    """Seconds an all-gather ring of ``n`` ranks leaves a rank waiting, beside its ``n`` matmul
+    chunks of ``chunk_s`` each, when one chunk's message takes ``message_s``. Done whole, its n - 1
+    steps come before the matmul: all exposed. As one ring (``minitp.tp_overlap``) the message of
+    step k travels beside matmul chunk k, and only its time beyond the chunk is exposed: a message
+    cannot hide behind another step's chunk, as the next step needs it."""
+    if n < 1 or chunk_s < 0 or message_s < 0:
+        raise ValueError(f"ring_exposed_s: expected n >= 1 and times >= 0, got n={n}, "
+                         f"chunk_s={chunk_s}, message_s={message_s}")
+    per_step = max(0.0, message_s - chunk_s) if overlapped else message_s
+    return (n - 1) * per_step
 
 
 def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1,

@@ -1,4 +1,4 @@
-"""Chapter 11's graduation exercise: chapter 09's training run written in PyTorch's own API.
+"""Chapter 13's graduation exercise: chapter 09's training run written in PyTorch's own API.
 
 ``check_torch_run(parallelize, clip, save, load)``, four functions of the learner's:
 

@@ -211,7 +211,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x, cos, sin, cache=None, attend=None, recompute=None):
         # recompute: None, or how to run the block so that backward recomputes its activations,
         # (forward, *args) -> output (FSDP's checkpointing, ``minitp.measure.activations``'
-        # recomputation)
+        # recomputation), or some of them (``minitp.offload.SelectiveCheckpoint``), or finds them
+        # where it put them (``minitp.offload.offload_blocks``: in the host's memory)
         if recompute is not None:
             return recompute(self.compute, x, cos, sin, cache, attend)
         return self.compute(x, cos, sin, cache, attend)

@@ -41,7 +41,8 @@ from minitp.viz.tp import locate, whole
 # ("tp", "pp", "dp"): fastest first, the order they are drawn in
 AXES = tuple(reversed(layout.AXES))
 # a colour per dimension; "fsdp" is what a group handed to FSDP alone (no mesh) is named
-DIM_COLORS = {"tp": "#0072B2", "pp": "#E69F00", "dp": "#009E73", "fsdp": "#CC79A7"}
+DIM_COLORS = {"tp": "#0072B2", "pp": "#E69F00", "dp": "#009E73", "fsdp": "#CC79A7",
+              "dp_shard": "#56B4E9", "dp_replicate": "#D55E00"}  # HSDP: data parallel in two
 
 
 def dims_present(dims) -> list[str]:

@@ -112,17 +112,24 @@ def stage_map(held: list[dict[str, int]], *, title: str = "", width: float = 8.0
                         fontsize=TEXT_PT, ha="left" if x < 0.5 else "right", va="center",
                         arrowprops={"arrowstyle": "-", "color": "#666666", "linewidth": 0.6})
         x += w
-    for rank in range(len(held)):  # a line under each rank's span
-        mine = [p for p in ordered if pieces[p][0] == rank]
-        if not mine:
-            continue
-        start = sum(pieces[p][1] for p in ordered[:ordered.index(mine[0])]) / total
-        span = sum(pieces[p][1] for p in mine) / total
+    runs: list[tuple[int, float, float]] = []  # (rank, start, width): consecutive pieces of a rank
+    x = 0.0
+    for piece in ordered:
+        rank, count = pieces[piece]
+        if runs and runs[-1][0] == rank:
+            runs[-1] = (rank, runs[-1][1], runs[-1][2] + count / total)
+        else:
+            runs.append((rank, x, count / total))
+        x += count / total
+    named: set[int] = set()
+    for rank, start, span in runs:  # a line under each run (a V's first rank has two), named once
         ax.plot([start + 0.004, start + span - 0.004], [-0.12, -0.12], color=style.rank_color(rank),
                 linewidth=3, solid_capstyle="butt", gid=f"rank:{rank}")
-        params = sum(pieces[p][1] for p in mine)
-        ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center",
-                va="center", fontsize=TEXT_PT)
+        if rank not in named:
+            named.add(rank)
+            params = sum(c for r, c in pieces.values() if r == rank)
+            ax.text(start + span / 2, -0.33, f"rank {rank} · {params:,} params", ha="center",
+                    va="center", fontsize=TEXT_PT)
     ax.set_xlim(0, 1)
     ax.set_ylim(-0.5, 1.35)
     ax.axis("off")

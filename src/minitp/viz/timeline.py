@@ -30,7 +30,8 @@ from minitp.viz.style import LEGEND_PT, TEXT_PT, label_totals
 
 KIND_COLORS = {"params": "#0072B2", "grads": "#009E73", "optimizer": "#E69F00"}
 ACTIVATION_COLOR = "#CC79A7"  # memory_bars' fourth kind, when the entries have "activations"
-COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777"}
+COMPUTE_SHADES = {"forward": "#DDDDDD", "backward": "#AAAAAA", "optimizer": "#777777",
+                  "wait": "#CC79A7"}  # wait: a posted message not yet arrived (tp_overlap)
 
 
 # -- the message timeline --------------------------------------------------------------------------
