@@ -45,7 +45,7 @@ KINDS = {
     # outputs that hold on any CPU, the stored twins of the live controls, exercises and words per chapter
     "chapters": (
         "test_chapter_numbers.py", "test_chapter_numbers_06_10.py", "test_chapter_numbers_07.py",
-        "test_chapter_numbers_08.py", "test_chapter_numbers_11.py", "test_chapters.py", "test_explore_ch07.py", "test_explore_ch08.py",
+        "test_chapter_numbers_08.py", "test_chapter_numbers_11.py", "test_chapter_numbers_12.py", "test_chapters.py", "test_explore_ch07.py", "test_explore_ch08.py",
         "test_stored_outputs.py",
     ),
     # the checkers of the chapters' exercises and worked problems, and the learner copies: chapters
@@ -54,7 +54,7 @@ KINDS = {
         "test_exercises_ch00.py", "test_exercises_ch01.py", "test_exercises_ch02.py",
         "test_exercises_ch03.py", "test_exercises_ch04.py", "test_exercises_ch05.py",
         "test_exercises_ch05_runtime.py", "test_exercises_ch06.py", "test_exercises_ch07.py",
-        "test_exercises_ch08.py", "test_exercises_ch09.py", "test_exercises_ch10.py", "test_exercises_ch11.py", "test_exercises_ch13.py", "test_exercises_graduate.py",
+        "test_exercises_ch08.py", "test_exercises_ch09.py", "test_exercises_ch10.py", "test_exercises_ch11.py", "test_exercises_ch12.py", "test_exercises_ch13.py", "test_exercises_graduate.py",
         "test_grade.py", "test_problems.py",
         "test_problems_ch07.py", "test_problems_ch08.py", "test_student.py",
     ),
@@ -68,7 +68,7 @@ KINDS = {
         "test_cli_input.py", "test_comm.py", "test_cost_time.py", "test_cp.py", "test_cp_allgather.py",
         "test_cp_attention_kinds.py", "test_cp_ulysses.py", "test_ddp.py", "test_env_and_messages.py",
         "test_ep.py", "test_ep_gradients.py", "test_export.py", "test_fp8.py", "test_fsdp.py", "test_hsdp.py", "test_launch.py", "test_mesh.py",
-        "test_multinode.py", "test_offload.py", "test_parallel3d.py", "test_torchrun_engine.py", "test_parallel3d_ep.py",
+        "test_multinode.py", "test_offload.py", "test_parallel3d.py", "test_parallel3d_hsdp.py", "test_torchrun_engine.py", "test_parallel3d_ep.py",
         "test_parallel3d_interleaved.py", "test_plan.py", "test_pp.py", "test_pp_bubble_decomposition.py",
         "test_pp_schedules.py", "test_pp_v_schedules.py", "test_pytorch_impl.py", "test_readme.py", "test_reliability_checkpoint.py",
         "test_reliability_launch.py", "test_replicas.py", "test_ring.py", "test_tp.py", "test_tp_overlap.py",

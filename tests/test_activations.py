@@ -7,7 +7,7 @@ from minitp import cost
 from minitp import tp as tensor_parallel
 from minitp.launcher import launch
 from minitp.measure import activations
-from minitp.models import TINY, build_model
+from minitp.models import TINY, build_model, loss_fn
 from minitp.runs.measuring import measure_activations
 
 B, S = 2, 16
@@ -84,3 +84,53 @@ def test_recomputation_gives_the_same_gradients_and_sends_forwards_collectives_a
     want = cost.tp_block_bytes(B, S, TINY.dim, 2, sequence_parallel, 4, recompute=True)
     assert sent == [pytest.approx(want)] * 2  # 6 all-reduces (or RS+AG pairs) of B·S·D instead of 4
     assert plain.sent_bytes() == [pytest.approx(cost.tp_block_bytes(B, S, TINY.dim, 2, sequence_parallel, 4))] * 2
+
+
+def _output_and_loss_saved_bytes(sequence_parallel: bool) -> int:
+    """What the final norm, the output layer and the loss save on this rank, measured with hooks around them alone
+    (the blocks run before, uncounted); tp = 1 trains with ``loss_fn``, tp > 1 with the vocabulary-parallel loss."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    model = build_model(TINY, seed=0)
+    tp = dist.get_world_size()
+    if tp > 1 or sequence_parallel:
+        tensor_parallel.parallelize(model, dist.group.WORLD, sequence_parallel)
+    tokens = torch.randint(0, TINY.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    h = model.run_blocks(model.tok_embeddings(tokens), seq_len=S)  # (B, S or S/tp, D)
+    with activations.SavedTensors(model) as saved:
+        logits = model.output(model.norm(h))  # (B, S, V/tp)
+        if tp > 1:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens, dist.group.WORLD)
+        else:
+            loss = loss_fn(logits, tokens)
+    loss.backward()
+    return saved.bytes
+
+
+def test_the_output_layer_and_the_loss_keep_one_fp32_copy_of_the_logits_on_one_process():
+    model = build_model(TINY)
+    h = torch.randn(B, S, TINY.dim, requires_grad=True)
+    targets = torch.randint(0, TINY.vocab_size, (B, S))
+    with activations.SavedTensors(model) as saved:
+        loss = loss_fn(model.output(model.norm(h)), targets)
+    assert saved.bytes == cost.output_activation_bytes(TINY, B, S, dtype_bytes=4)
+    n = B * S  # the norm's input, normalised output and 1/rms, the output layer's input; log-probs; targets
+    assert saved.bytes == (3 * n * TINY.dim + n) * 4 + n * TINY.vocab_size * 4 + n * 8 + 4
+    loss.backward()
+
+
+@pytest.mark.parametrize("tp, sequence_parallel", [(2, False), (2, True)])
+def test_the_vocabulary_parallel_loss_keeps_each_ranks_slice_of_the_logits(tp, sequence_parallel):
+    measured = launch(_output_and_loss_saved_bytes, tp, sequence_parallel, echo=False)
+    assert list(measured) == [cost.output_activation_bytes(TINY, B, S, tp, sequence_parallel, 4)] * tp
+
+
+def test_the_logits_of_a_llama3_sequence_at_tp_1_are_four_gib_kept_and_ten_at_the_losss_forward():
+    from minitp.models import LLAMA3_8B
+
+    logits = 8192 * LLAMA3_8B.vocab_size  # one sequence's
+    kept = cost.output_activation_bytes(LLAMA3_8B, 1, 8192)
+    assert round(logits * 4 / 2**30, 1) == 3.9 and round(logits * 10 / 2**30, 1) == 9.8  # the docstring's
+    assert 0 < kept - logits * 4 < 0.4 * 2**30  # the rest: the final norm's and the output layer's input
+    assert cost.output_activation_bytes(LLAMA3_8B, 1, 8192, tp=8) < kept / 4  # the vocabulary split over tp

@@ -345,6 +345,13 @@ def test_10_problem_3_first_stage_activations():
     assert f"About {per_block / GIB:.2f} GiB per block, times 20 blocks, times 4 micro-batches in flight: " \
            f"**{total / GIB:.0f} GiB**, which with {row['memory_states'] / GIB:.0f} GiB of states is the " \
            f"{row['memory_total'] / GIB:.1f} GiB the planner printed" in text
+    # the last stage: one micro-batch's blocks, and its final norm, output layer and loss (an fp32 copy of V/8 logits)
+    logits = 4 * 8192 * LLAMA3_70B.vocab_size // 8
+    last = (per_block * 20 + cost.output_activation_bytes(LLAMA3_70B, 1, 8192, 8, sequence_parallel=True))
+    assert last == cost.activation_bytes_per_rank(LLAMA3_70B, 1, 8192, 8, 4, 3, 32, sequence_parallel=True,
+                                                  formula="llama") + cost.output_activation_bytes_per_rank(
+        LLAMA3_70B, 1, 8192, 8, 4, 3, sequence_parallel=True)
+    assert round(4 * last / total) == 1 and f"and its loss's fp32 logits ({logits / GIB:.2f} GiB), a quarter in all" in text
 
 
 def test_10_a_moe_layer_moves_its_tokens_in_four_all_to_alls_and_its_counts_in_one():

@@ -2,7 +2,9 @@
 its stored outputs, recomputed with ``minitp.cost``, ``minitp.pp_schedules`` and the models: a changed
 formula, schedule or sheet that the text does not follow fails here."""
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 from test_chapter_numbers import prose
@@ -13,9 +15,11 @@ from minitp.exercises import ch11
 from minitp.fsdp_units import unit_numels
 from minitp.models import LLAMA3_8B, TINY, build_model
 from minitp.pp_schedules import V_SHAPE, make_schedule
+from minitp.viz.explore import stored_twins, twin_texts
 
 GIB = 2**30
 NAME = "11_overlap"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def text() -> str:
@@ -87,3 +91,39 @@ def test_11_worked_problems_as_the_solutions_say():
 
 def test_11_groups_printed_are_hsdps():
     assert f"groups: {hsdp.hsdp_group_ranks(2, 2)}" in _chapter_text(NAME)
+
+
+# -- the stored twins of the three live controls --------------------------------------------------
+def _twins() -> list[list[str]]:
+    notebook = json.loads((NOTEBOOKS / f"{NAME}.ipynb").read_text(encoding="utf-8"))
+    return [twin_texts(t) for t in stored_twins(notebook)]
+
+
+def test_11_stores_three_twins_with_every_setting():
+    assert [len(t) for t in _twins()] == [6, 3, 8]  # F × tokens; replicas; schedules × m
+
+
+def test_11_the_mlp_twin_shows_both_sides_of_every_run():
+    for text in _twins()[0]:
+        sides = re.findall(r"^(unfused|overlapped)\s+step [\d.]+ ms, exposed communication [\d.]+ ms",
+                           text, re.M)
+        assert sides == ["unfused", "overlapped"], text
+
+
+def test_11_every_stored_hsdp_grid_matched_its_oracles_and_holds_its_states():
+    numels = {s: unit_numels(build_model(TINY), s) for s in (1, 2, 4)}
+    for text in _twins()[1]:
+        r, s = map(int, re.match(r"(\d) replica\(s\) of (\d) rank\(s\)", text).groups())
+        assert "problems found none" in text
+        held = sum(cost.hsdp_memory_per_rank(numels[s], s).values())
+        assert f"each rank holds {held:,.0f} B" in text
+
+
+def test_11_every_stored_schedule_states_its_formula():
+    seen = set()
+    for text in _twins()[2]:
+        formula = float(re.search(r"formula ([\d.]+) \((B = 2F|F = B = W)\)", text)[1])
+        seen.add(formula)
+        assert formula in {round(cost.pp_bubble_fraction(2, m, name), 3)
+                           for name in ("1f1b", "zb", "zbv", "dualpipev") for m in (4, 8)}
+    assert len(seen) >= 5

@@ -325,7 +325,8 @@ def test_the_planner_times_its_layouts_on_the_sheets_h100():
 
 
 CHAPTERS = ("00_collectives", "01_ddp", "02_fsdp", "03_tensor_parallel", "04_swiglu_attention", "05_pipeline", "06_3d",
-            "07_context_parallel", "08_expert_parallel", "09_capstone", "10_planning")
+            "07_context_parallel", "08_expert_parallel", "09_capstone", "10_planning", "11_overlap",
+            "12_memory")
 RATE = r"(\d[\d,]*(?:\.\d+)?)\s*(TFLOP/s|TB/s|GB/s|Gb/s)"
 
 
@@ -351,7 +352,7 @@ def _figures_off_the_sheet(text: str) -> list[str]:
     for d in cost.DEVICES.values():
         sheet["TFLOP/s"].add(d.flops_per_s / 1e12)
         sheet["TB/s"].add(d.memory_bytes_per_s / 1e12)
-        for link in (d.intra, d.inter):
+        for link in (d.intra, d.inter, *([d.host_link] if d.host_link else [])):  # PCIe too
             sheet["GB/s"].add(link.bytes_per_s / 1e9)
             sheet["Gb/s"].add(link.bytes_per_s * 8 / 1e9)
     wrong = [f"{value} {unit}" for value, unit in re.findall(RATE, text)

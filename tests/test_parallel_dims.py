@@ -22,6 +22,10 @@ def test_the_defaults_are_one_process_and_zero_comes_out_resolved():
     assert ParallelDims(dp=2, pp=2, data_parallel="fsdp").zero == 1  # with a pipeline: ZeRO-1
     assert ParallelDims(dp=2, data_parallel="fsdp", zero=2).zero == 2
     assert ParallelDims(dp=2).zero is None  # DDP has no stage
+    # HSDP: FSDP inside each shard group, the same stages
+    assert ParallelDims(dp=4, data_parallel="hsdp", dp_shard=2).zero == 3
+    assert ParallelDims(dp=4, pp=2, data_parallel="hsdp", dp_shard=2).zero == 1
+    assert ParallelDims(dp=4, data_parallel="hsdp", dp_shard=2).replicas == "hsdp"
 
 
 def test_sizes_world_and_the_replicas_wrapper():
@@ -36,7 +40,7 @@ def test_sizes_world_and_the_replicas_wrapper():
 @pytest.mark.parametrize("dims, message", [
     (dict(dp=0), "dp must be an integer >= 1, got 0"),
     (dict(tp=True), "tp must be an integer >= 1, got True"),
-    (dict(data_parallel="zero"), "data_parallel must be 'ddp' or 'fsdp', got 'zero'"),
+    (dict(data_parallel="zero"), "data_parallel must be 'ddp', 'fsdp' or 'hsdp', got 'zero'"),
     (dict(cp=2, cp_attention="mesh"), "attention must be one of ring, ulysses, allgather"),
     (dict(dp=4, ep=2, tp=2), "ep=2 composes with dp \\(DDP\\) and pp: tp must be 1"),
     (dict(dp=4, ep=2, data_parallel="fsdp"), "ep=2 composes with dp"),
@@ -47,6 +51,13 @@ def test_sizes_world_and_the_replicas_wrapper():
     (dict(dp=2, pp=2, data_parallel="fsdp", schedule="zb"), "schedule='zb' with fsdp"),
     (dict(dp=2, pp=2, data_parallel="fsdp", zero=3), "FSDP with pp=2 needs zero=1, got zero=3"),
     (dict(dp=2, data_parallel="fsdp", zero=4), "zero must be 1, 2 or 3, got 4"),
+    (dict(dp=4, dp_shard=2), "dp_shard=2 is HSDP's shard group; it needs data_parallel 'hsdp'"),
+    (dict(dp=4, data_parallel="hsdp"), "data_parallel 'hsdp' needs dp_shard"),
+    (dict(dp=4, data_parallel="hsdp", dp_shard=3), "dp=4 is not divisible by dp_shard=3"),
+    (dict(dp=4, data_parallel="hsdp", dp_shard=0), "dp_shard must be an integer >= 1, got 0"),
+    (dict(dp=2, cp=2, data_parallel="hsdp", dp_shard=2), "composes with dp, pp and tp"),
+    (dict(dp=2, pp=2, data_parallel="hsdp", dp_shard=2, zero=3), "with pp=2 needs zero=1"),
+    (dict(dp=2, pp=2, data_parallel="hsdp", dp_shard=2, schedule="zb"), "'zb' with fsdp"),
 ])
 def test_what_does_not_compose_is_refused_as_the_object_is_made(dims, message):
     with pytest.raises(ValueError, match=message):

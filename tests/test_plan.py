@@ -134,10 +134,13 @@ def test_without_a_pipeline_the_replica_batch_is_one_micro_batch_and_with_one_mi
     # chapter 10: 64 sequences of 8192 tokens; dp = 32 replicas of 2 sequences each
     flat = plan.plan_layout(LLAMA3_70B, 32, 1, 2, 64, 8192, recompute=True)
     assert flat["microbatches"] == 1 and flat["bubble_fraction"] == 0.0
-    assert flat["memory"]["activations"] == cost.activation_bytes_per_rank(LLAMA3_70B, 2, 8192, 2, 1, 0, 1,
-                                                                           recompute=True, formula="llama")
+    blocks = cost.activation_bytes_per_rank(LLAMA3_70B, 2, 8192, 2, 1, 0, 1, recompute=True, formula="llama")
+    # the one stage is the last: its final norm, output layer and loss (not recomputed), one fp32 copy of V/tp logits
+    assert flat["memory"]["activations"] == blocks + cost.output_activation_bytes(LLAMA3_70B, 2, 8192, 2)
+    assert cost.output_activation_bytes(LLAMA3_70B, 2, 8192, 2) > 2 * 8192 * LLAMA3_70B.vocab_size // 2 * 4
     piped = plan.plan_layout(LLAMA3_70B, 2, 4, 8, 64, 8192, sequence_parallel=True)
     assert piped["microbatches"] == 32  # B/dp micro-batches of micro_batch = 1 sequence
+    assert piped["worst_stage"] == 0  # 4 micro-batches in flight, not the last stage's one and its logits
     assert piped["memory"]["activations"] == cost.activation_bytes_per_rank(
         LLAMA3_70B, 1, 8192, 8, 4, piped["worst_stage"], 32, sequence_parallel=True, formula="llama")
     assert piped["activation_formula"] == "llama"
@@ -150,3 +153,66 @@ def test_the_planner_reads_the_gpus_figures_from_the_hardware_sheet():
     assert rows == plan.plan(LLAMA3_70B, 64, 80, seq_len=8192, sequence_parallel=True)  # 80 GiB
     assert {r["device"] for r in rows} == {cost.H100.name}
     assert all(r["memory_total"] <= cost.H100.memory_bytes for r in rows)
+
+
+def test_an_hsdp_row_of_llama3_8b_on_1024_gpus_is_the_hand_computation():
+    """dp = 1024 = 128 replicas × 8 shards (pp = tp = 1): a shard group is one machine of 8 GPUs."""
+    from minitp import cost
+
+    row = plan.plan_layout(LLAMA3_8B, 1024, 1, 1, 1024, 8192, data_parallel="hsdp")
+    assert (row["dp_shard"], row["dp_replicate"], row["zero"]) == (8, 128, 3)  # 8 GPUs per machine // (tp·pp·cp)
+    # FSDP's units: the root (embedding, final norm, output layer) and 32 blocks, each a multiple of 8: no padding
+    root, block = 2 * 128256 * 4096 + 4096, 218_112_000
+    assert root + 32 * block == LLAMA3_8B.num_params() == 8_030_261_248
+    # shard group of 8: ZeRO-3 all-gathers bf16 parameters (blocks twice, the root once) and reduce-scatters fp32
+    # gradients, each sending 7/8 of the unit
+    shard = 7 / 8 * (root * (2 + 4) + 32 * block * (2 * 2 + 4))
+    # replicate group of 128: one all-reduce of each unit's fp32 gradient shard, 1/8 of it, 2·127/128 of it sent
+    replicate = 2 * 127 / 128 * (root + 32 * block) / 8 * 4
+    sent = row["bytes_per_step"]
+    assert (sent["dp_shard"], sent["dp_replicate"]) == (pytest.approx(shard), pytest.approx(replicate))
+    assert sent["dp"] == pytest.approx(shard + replicate) and round(shard / 2**30, 1) == 50.6
+    assert round(replicate / 2**30, 2) == 7.42
+    # states: 16 bytes per parameter over the 8 ranks of the shard group, whatever the 128 replicas, and one
+    # AdamW step counter per unit
+    assert row["memory_states"] == 16 * LLAMA3_8B.num_params() / 8 + 4 * 33
+    # time: the shard group on NVLink, 3 rings of 7 steps per unit; the replicas between machines, an all-reduce
+    # of 2·127 steps per unit; ZeRO-3's prefetch hides both behind the compute
+    nvlink, ib = cost.H100.intra, cost.H100.inter
+    dp_s = (33 * 3 * 7 * nvlink.alpha_s + shard / nvlink.bytes_per_s
+            + 33 * 2 * 127 * ib.alpha_s + replicate / ib.bytes_per_s)
+    assert row["time"]["dp_s"] == pytest.approx(dp_s)
+    assert row["time"]["dp_exposed_s"] == max(0.0, dp_s - row["time"]["compute_s"])
+    fsdp = plan.plan_layout(LLAMA3_8B, 1024, 1, 1, 1024, 8192)  # ZeRO-3 over all 1024: 128 times less held
+    assert fsdp["memory_states"] < row["memory_states"] / 100
+    assert fsdp["bytes_per_step"]["dp"] > 7 * replicate  # all of it between machines, against 1/8 of a gradient
+
+
+def test_hsdp_refuses_a_shard_that_does_not_divide_dp_and_a_shard_without_hsdp():
+    with pytest.raises(ValueError, match="dp=1024 is not divisible by dp_shard=3: HSDP splits dp into replicas"):
+        plan.plan_layout(LLAMA3_8B, 1024, 1, 1, 1024, 8192, data_parallel="hsdp", dp_shard=3)
+    with pytest.raises(ValueError, match="dp_shard=4 is HSDP's shard group; pass data_parallel='hsdp'"):
+        plan.plan(LLAMA3_8B, 64, 80, dp_shard=4)
+    with pytest.raises(ValueError, match="data_parallel must be one of 'fsdp', 'ddp', 'hsdp', got 'zero3'"):
+        plan.plan(LLAMA3_8B, 64, 80, data_parallel="zero3")
+    refused = []
+    assert plan.plan(LLAMA3_8B, 64, 80, data_parallel="hsdp", dp_shard=3, refused=refused) == []
+    assert "is not divisible by dp_shard=3" in plan.why_no_layout(refused, 64, None)
+
+
+def test_hsdp_shards_inside_a_machine_by_default_and_its_extremes_are_ddp_and_fsdp():
+    assert plan.default_dp_shard(128, 1, 2, 1, 8) == 4 and plan.default_dp_shard(12, 1, 1, 1, 8) == 6
+    assert plan.default_dp_shard(16, 2, 4, 1, 8) == 1  # tp·pp fills the machine: replicas only
+    rows = plan.plan(LLAMA3_8B, 64, 80, data_parallel="hsdp", include_unfit=True)
+    assert rows and all(r["dp_shard"] * r["pp"] * r["tp"] <= 8 or r["dp_shard"] == 1 for r in rows)
+    # one shard group of all dp ranks is FSDP's bytes and memory; shards of one rank hold DDP's states
+    whole = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192, data_parallel="hsdp", dp_shard=8)
+    fsdp = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192)
+    assert whole["bytes_per_step"]["dp_replicate"] == 0 and whole["memory_states"] == fsdp["memory_states"]
+    assert whole["bytes_per_step"]["dp"] == pytest.approx(fsdp["bytes_per_step"]["dp"])
+    single = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192, data_parallel="hsdp", dp_shard=1)
+    ddp = plan.plan_layout(LLAMA3_8B, 8, 1, 8, 64, 8192, data_parallel="ddp")
+    assert single["memory_states"] == pytest.approx(ddp["memory_states"], rel=1e-6)
+    # with context parallel a shard group holds its replicas' cp ranks too: states over dp_shard·cp
+    cp = plan.plan_layout(LLAMA3_8B, 8, 1, 2, 16, 8192, cp=2, data_parallel="hsdp", recompute=True)
+    assert cp["dp_shard"] == 2 and cp["memory_states"] == pytest.approx(16 * LLAMA3_8B.num_params() / 2 / 4, rel=1e-3)

@@ -86,8 +86,9 @@ def check_tp_within_node(tp: int, procs_per_node: int) -> None:
 
 def check_zero(data_parallel: str, zero: int | None, pp: int) -> int | None:
     """FSDP's ZeRO stage for a layout: 3 by default, 1 with a pipeline (its micro-batches' gradients
-    must add up whole before they are sharded), and 2 or 3 with a pipeline refused. None for DDP."""
-    if data_parallel != "fsdp":
+    must add up whole before they are sharded), and 2 or 3 with a pipeline refused. None for DDP.
+    HSDP ("hsdp") is FSDP inside each shard group: the same stages."""
+    if data_parallel not in ("fsdp", "hsdp"):
         return None
     if zero is None:
         return 1 if pp > 1 else 3
@@ -113,6 +114,10 @@ class ParallelDims:
     replica's sequence and ep its experts, both inside the dp ranks (the mesh's dp axis holds
     dp·cp ranks, ``mesh_dp``). pp and tp are the mesh's other two axes. ``zero`` comes out
     resolved: FSDP's stage (3 by default, 1 with a pipeline), None under DDP.
+
+    data_parallel "hsdp": the dp replicas split into dp/dp_shard replica groups of ``dp_shard``
+    shards (``minitp.hsdp``: FSDP over each shard group, the gradient shards all-reduced across
+    the replicas); with dp, pp and tp only (no cp, no ep).
     """
 
     dp: int = 1
@@ -120,21 +125,23 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     ep: int = 1
-    data_parallel: str = "ddp"  # or "fsdp": what the replicas are
+    data_parallel: str = "ddp"  # or "fsdp", "hsdp": what the replicas are
     zero: int | None = None
     schedule: str = "1f1b"  # the pipeline's (minitp.pp.SCHEDULES)
     virtual_stages: int = 1  # chunks per rank, for schedule "interleaved"
     cp_attention: str = "ring"  # how attention crosses the cp group (CP_ATTENTIONS)
+    dp_shard: int | None = None  # HSDP's shard group: dp_shard of the dp replicas
 
     def __post_init__(self):
         for name in DIMS:
             check_positive(name, getattr(self, name))
-        if self.data_parallel not in ("ddp", "fsdp"):
+        if self.data_parallel not in ("ddp", "fsdp", "hsdp"):
             raise ValueError(
-                f"data_parallel must be 'ddp' or 'fsdp', got {self.data_parallel!r}")
+                f"data_parallel must be 'ddp', 'fsdp' or 'hsdp', got {self.data_parallel!r}")
         check_cp_attention(self.cp_attention)
         dp, pp, tp, cp, ep = (getattr(self, name) for name in DIMS)
-        fsdp, schedule, v = self.fsdp, self.schedule, self.virtual_stages
+        self._check_hsdp()
+        fsdp, schedule, v = self.sharded, self.schedule, self.virtual_stages
         if ep > 1:
             if tp > 1 or cp > 1 or fsdp or (pp > 1 and schedule == "interleaved"):
                 raise ValueError(
@@ -159,9 +166,32 @@ class ParallelDims:
                              "use DDP (no --fsdp) or another schedule")
         object.__setattr__(self, "zero", check_zero(self.data_parallel, self.zero, pp))
 
+    def _check_hsdp(self) -> None:
+        """dp_shard goes with data_parallel "hsdp" and divides dp; HSDP composes with pp and tp."""
+        hsdp, shard = self.data_parallel == "hsdp", self.dp_shard
+        if shard is not None and not hsdp:
+            raise ValueError(f"dp_shard={shard} is HSDP's shard group; it needs data_parallel "
+                             f"'hsdp', got {self.data_parallel!r}")
+        if not hsdp:
+            return
+        if shard is None:
+            raise ValueError("data_parallel 'hsdp' needs dp_shard, the ranks of a shard group")
+        check_positive("dp_shard", shard)
+        check_divisible("dp", self.dp, "dp_shard", shard,
+                        f": HSDP makes dp/dp_shard replicas of dp_shard shards each "
+                        f"(dp_shard one of {divisors(self.dp)})")
+        if self.cp > 1 or self.ep > 1:
+            raise ValueError(f"HSDP (dp_shard={shard}) composes with dp, pp and tp; got "
+                             f"cp={self.cp}, ep={self.ep}")
+
     @property
     def fsdp(self) -> bool:
         return self.data_parallel == "fsdp"
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP over the dp axis or inside each of its shard groups (HSDP): the same rules."""
+        return self.data_parallel in ("fsdp", "hsdp")
 
     @property
     def mesh_dp(self) -> int:
@@ -180,7 +210,7 @@ class ParallelDims:
     @property
     def replicas(self) -> str | None:
         """What keeps the replicas equal: "expert_parallel" (it replaces DDP under ep), "ddp",
-        "fsdp", or None when the mesh's dp axis has one rank."""
+        "fsdp", "hsdp", or None when the mesh's dp axis has one rank."""
         if self.ep > 1:
             return "expert_parallel"
         return self.data_parallel if self.mesh_dp > 1 else None
@@ -211,6 +241,11 @@ class ParallelDims:
                              "the sequence's; use dp, ep and pp")
         if experts is not None:
             check_divisible("n_experts", experts, "ep", self.ep, ": every rank holds E/ep experts")
+
+
+def divisors(n: int) -> str:
+    """``n``'s divisors in words: "1, 2, 4"."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def check_cp_attention(attention: str) -> str:

@@ -51,10 +51,10 @@ from minitp import comm
 from minitp import trace as _trace
 from minitp.fsdp import FullyShardedDataParallel
 from minitp.fsdp_units import Unit
-from minitp.layout import check_positive
+from minitp.layout import DP_HALVES, check_positive
 from minitp.mesh import make_groups
 
-SHARD, REPLICATE = "dp_shard", "dp_replicate"  # the two groups' names in a trace (Event.dim)
+SHARD, REPLICATE = DP_HALVES  # the two groups' names in a trace (Event.dim)
 
 
 def check_hsdp(replicate: int, shard: int, world_size: int) -> None:

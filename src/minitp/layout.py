@@ -15,6 +15,9 @@ from __future__ import annotations
 # split the dp axis further (context parallel's cp ranks, expert parallel's ep groups).
 DIMS = ("dp", "pp", "tp", "cp", "ep")
 AXES = DIMS[:3]  # the grid: rank = (dp_rank · pp + pp_rank) · tp + tp_rank
+# HSDP splits the dp axis in two: its shard groups (FSDP inside, shard varying fastest) and its
+# replicate groups (the all-reduce of each gradient shard across the replicas)
+DP_HALVES = ("dp_shard", "dp_replicate")
 
 
 # -- divisibility ----------------------------------------------------------------------------------

@@ -26,6 +26,14 @@ The two other dimensions split a dp group (the ranks that average gradients toge
   sequences, cut along the positions. The dp axis then holds dp/cp replicas × cp.
 * ep: each run of ep consecutive ranks of a dp group shares one set of experts (an ep group); the
   ranks at the same place in every run hold the same experts (an expert-dp group, named "dp").
+* dp_shard (HSDP, ``minitp.hsdp``): each run of dp_shard consecutive ranks of a dp group is one
+  shard group ("dp_shard", FSDP inside); the ranks at the same place in every run are a replicate
+  group ("dp_replicate", the all-reduce of their gradient shard). The dp axis then holds
+  dp/dp_shard replicas × dp_shard shards, shard varying fastest.
+
+    dp=4 as 2 × 2, pp=1, tp=2       dp groups        {0,2,4,6} {1,3,5,7}
+                                    dp_shard groups  {0,2} {4,6} {1,3} {5,7}
+                                    dp_replicate     {0,4} {2,6} {1,5} {3,7}
 
 ``torch.distributed.new_group`` must be called by every rank of the world, for every group, in
 the same order (even for groups the rank is not in), so ``Mesh`` builds all of them, in a fixed
@@ -40,7 +48,7 @@ import torch.distributed as dist
 
 from minitp import comm
 from minitp.grid import check_layout, coordinates, group_lists, rank_of
-from minitp.layout import AXES, DIMS, check_divisible
+from minitp.layout import AXES, DIMS, DP_HALVES, check_divisible
 
 
 def make_groups(dim: str, lists: list[list[int]]):
@@ -69,18 +77,26 @@ class Mesh:
     cp, ep: split each dp group (of ``dp`` ranks) into context-parallel groups of cp ranks
     (``cp_group``) or expert groups of ep ranks (``ep_group``, with ``expert_dp_group``); None when
     1.
+    dp_shard: HSDP's shard groups of dp_shard ranks (``dp_shard_group``) and its replicate groups
+    of dp/dp_shard ranks (``dp_replicate_group``), both cut from each dp group; None: not made.
     """
 
-    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1):
+    def __init__(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1,
+                 dp_shard: int | None = None):
         world = dist.get_world_size()
         check_layout(dp, pp, tp, world)
         check_divisible("the mesh's dp", dp, "cp", cp, ": it holds dp·cp ranks")
         check_divisible("dp", dp, "ep", ep, ": the experts are split over ep of the dp ranks")
+        if dp_shard is not None:
+            check_divisible("dp", dp, "dp_shard", dp_shard,
+                            ": HSDP splits the dp ranks into replicas of dp_shard ranks each")
         self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp, ep
+        self.dp_shard = dp_shard
         self.world_size, self.rank = world, dist.get_rank()
         self.coords = coordinates(self.rank, dp, pp, tp)
         self.group_ranks: dict[str, list[int]] = {}
         self.cp_group = self.ep_group = self.expert_dp_group = None
+        self.dp_shard_group = self.dp_replicate_group = None
         lists = group_lists(dp, pp, tp)
         # tp, pp, dp (the fastest axis first): the same order on every rank
         groups = {dim: self._make(dim, lists[dim]) for dim in reversed(AXES)}
@@ -94,6 +110,14 @@ class Mesh:
                                                   for i in range(0, dp, ep)]) or self.ep_group
                 expert_dp = self._make("dp", [ranks[j::ep] for j in range(ep)], key="expert_dp")
                 self.expert_dp_group = expert_dp or self.expert_dp_group
+        if dp_shard is not None:
+            shard, replicate = DP_HALVES
+            # every dp group's shard groups (consecutive runs), then its replicate groups (strides)
+            self.dp_shard_group = self._make(shard, [ranks[i:i + dp_shard] for ranks in lists["dp"]
+                                                     for i in range(0, dp, dp_shard)])
+            self.dp_replicate_group = self._make(replicate, [ranks[j::dp_shard]
+                                                             for ranks in lists["dp"]
+                                                             for j in range(dp_shard)])
 
     def _make(self, dim: str, lists: list[list[int]], key: str | None = None):
         """``make_groups``, keeping the members of the one this rank is in."""
@@ -120,5 +144,6 @@ class Mesh:
     def __repr__(self) -> str:
         c = self.coords
         extra = "".join(f", {d}={getattr(self, d)}" for d in ("cp", "ep") if getattr(self, d) > 1)
+        extra += f", dp_shard={self.dp_shard}" if self.dp_shard is not None else ""
         return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{extra}; rank {self.rank} at "
                 f"dp={c.dp} pp={c.pp} tp={c.tp})")

@@ -4,7 +4,8 @@ by the earlier chapters' code, in the order that lets each one see what it needs
 1. ``tp.parallelize`` over the tp group splits every matrix of the whole model;
 2. ``pp.PipelineStage`` keeps this rank's stage of it (already tp-split);
 3. ``ddp.DistributedDataParallel`` or ``fsdp.FullyShardedDataParallel`` over the dp group wraps
-   what this rank holds;
+   what this rank holds (or ``hsdp.HybridShardedDataParallel``: FSDP over the rank's shard group,
+   the gradient shards all-reduced over its replicate group, both cut from the dp group);
 4. ``pp.Pipeline`` runs the schedule, calling the wrapper through a ``pp.StageSpec``: the pipeline
    knows the stage from its description, the wrapper knows nothing of pipelines.
 
@@ -30,6 +31,7 @@ from minitp import trace as _trace
 from minitp.ddp import DistributedDataParallel, split_batch
 from minitp.fsdp import FullyShardedDataParallel
 from minitp.grid import ParallelDims
+from minitp.hsdp import HybridShardedDataParallel
 from minitp.measure.memory import held_bytes
 from minitp.mesh import Mesh
 from minitp.models import Transformer, loss_fn
@@ -42,7 +44,8 @@ class Parallel3D:
     """A plain model trained on a mesh: tensor parallel over the tp group (the logits sharded over
     the vocabulary, trained with ``tp.vocab_parallel_cross_entropy``), this rank's pipeline stage
     over the pp group (``microbatches`` micro-batches of its share of the batch per step), data
-    parallel over the dp group (DDP or FSDP) on what the rank holds. Replicas of a tp slice hold the
+    parallel over the dp group (DDP, FSDP, or HSDP on the mesh's ``dp_shard`` groups: data_parallel
+    "hsdp") on what the rank holds. Replicas of a tp slice hold the
     same tensor, so averaging over dp is all they need; the replicated norm weights need no tp
     message (without sequence parallel every tp rank computes the same full gradient for them).
 
@@ -80,7 +83,8 @@ class Parallel3D:
                  cp_attention: str = "ring"):
         # which dimensions are on and whether they compose: asked of one object, checked as made
         self.dims = ParallelDims(mesh.dp // mesh.cp, mesh.pp, mesh.tp, mesh.cp, mesh.ep,
-                                 data_parallel, zero, schedule, virtual_stages, cp_attention)
+                                 data_parallel, zero, schedule, virtual_stages, cp_attention,
+                                 mesh.dp_shard)
         self.dims.check_model(model.config)
         self.mesh, self.data_parallel, self.zero = mesh, data_parallel, self.dims.zero
         # what a checkpoint stores and checks: the plain model's config and its whole shapes
@@ -115,7 +119,7 @@ class Parallel3D:
         # own experts only, under ep), the stage's dtype and device
         self.split_dims = _tp.split_dims(self.module)
         stage = StageSpec.of(self.module) if mesh.pp > 1 and self.pipeline is None else None
-        # 5. data parallel over the dp axis: DDP or FSDP (expert parallel keeps its own replicas)
+        # 5. data parallel over the dp axis: DDP, FSDP or HSDP (expert parallel keeps its own)
         self.replicas = self._replicate(self.module, bucket_mb)
         self.step_model = self.module if self.replicas is None else self.replicas
         # 6. the pipeline (one chunk per rank) calls the wrapper, computing in its dtype
@@ -154,7 +158,8 @@ class Parallel3D:
 
     def _replicate(self, module: torch.nn.Module, bucket_mb: float):
         """The data-parallel wrapper ``ParallelDims.replicas`` names over the dp group (expert
-        parallel's, made already), or None; also kept as ``ddp`` or ``fsdp``."""
+        parallel's, made already), or None; also kept as ``ddp`` or ``fsdp`` (HSDP's too: FSDP
+        inside each shard group, plus an all-reduce)."""
         mesh, kind = self.mesh, self.dims.replicas
         self.ddp = self.fsdp = None
         if kind == "expert_parallel":
@@ -164,6 +169,10 @@ class Parallel3D:
             return self.ddp
         if kind == "fsdp":
             self.fsdp = FullyShardedDataParallel(module, mesh.dp_group, zero=self.zero)
+            return self.fsdp
+        if kind == "hsdp":
+            self.fsdp = HybridShardedDataParallel(module, mesh.dp_shard_group,
+                                                  mesh.dp_replicate_group, zero=self.zero)
             return self.fsdp
         return None
 

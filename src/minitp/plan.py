@@ -10,7 +10,9 @@ For each layout the planner takes the worst rank (the stage that holds or sends 
 * memory: parameters, gradients and AdamW state (``threed_memory_per_rank``; bf16 mixed precision by
   default, 16 bytes per parameter, sharded over dp by ZeRO), plus an *estimate* of the activations
   kept for backward (``activation_bytes_per_rank``, Korthikanti et al.: 1F1B; with or without
-  sequence parallel; no, selective or full recomputation);
+  sequence parallel; no, selective or full recomputation) and, on the last stage, the final norm's,
+  the output layer's and the loss's (``output_activation_bytes``: one fp32 copy of its V/tp
+  logits, 3.9 GiB per sequence of 8192 tokens of LLaMA-3 at tp = 1);
 * bytes sent per step in each dimension (``threed_step_bytes``): tp inside a machine, pp and dp
   between machines when the layout spans several; full recomputation repeats forward's tp messages;
 * the pipeline bubble (p-1)/(m+p-1);
@@ -21,6 +23,11 @@ the data-parallel GPUs (expert parallel, ``ep``, as Megatron and DeepSpeed do: t
 inside the dp·cp ranks that hold the same dense weights); its all-to-alls are a fifth dimension of
 bytes, and its FLOPs (so step time and MFU) count the parameters a token goes through, k of the E
 experts.
+
+Data parallel is FSDP (ZeRO-3, or 1 with a pipeline) by default, or DDP, or HSDP
+(``data_parallel="hsdp"``: dp = replicas × shards, FSDP inside each shard group of ``dp_shard``
+ranks, by default the most that fit in a machine with their cp·pp·tp; the gradient shards
+all-reduced across the replicas, each group's bytes on the link it spans).
 
 A layout is listed when tp divides the heads, key/value heads, MLP width and vocabulary, tp fits in
 a machine (``gpus_per_node``), pp is at most the number of blocks and the batch splits over dp. The
@@ -44,6 +51,7 @@ from minitp.layout import AXES, check_divisible, check_positive
 from minitp.models import ModelConfig
 
 GIB = 2**30
+DATA_PARALLEL = ("fsdp", "ddp", "hsdp")  # what plan's data_parallel takes
 # 1,048,576: ten times the largest training clusters; the planner answers at once up to it
 MAX_GPUS = 2**20
 
@@ -52,7 +60,8 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
                 data_parallel: str = "fsdp", zero: int | None = None, precision: str = "bf16",
                 micro_batch: int = 1, flash_attention: bool = True, recompute=False,
                 sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1,
-                ep: int = 1, activations: str = "llama", cp_attention: str = "ring") -> dict:
+                ep: int = 1, activations: str = "llama", cp_attention: str = "ring",
+                dp_shard: int | None = None) -> dict:
     """Memory per GPU, bytes per step (the worst stage of each) and predicted step time of one
     layout, from ``minitp.cost``. recompute: False / "none", "selective" (attention's scores) or
     True / "full"; or, as ``minitp.offload`` runs them (``minitp.cost.offload``), "selective-op"
@@ -76,7 +85,16 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     attention keeps beyond a block of S/cp positions
     (``cost.context.cp_attention_activation_bytes_per_rank``: the all-gather the whole sequence's
     keys and values, Ulysses its kernel's output at all S positions; nothing more under full
-    recomputation).
+    recomputation). The last stage also keeps its final norm's, output layer's and loss's tensors
+    for one micro-batch (``cost.output_activation_bytes``), whatever the recomputation.
+
+    data_parallel: "fsdp", "ddp" or "hsdp": dp = R replicas × S = ``dp_shard`` shards (S must
+    divide dp; default ``default_dp_shard``), FSDP (ZeRO ``zero``) over the S·cp ranks of a shard
+    group, so states of ``cost.hsdp_memory_per_rank`` (16Ψ_rank/(S·cp) under ZeRO-3), whatever R;
+    ``bytes_per_step`` "dp_shard", the shard group's gathers and reduce-scatters, and
+    "dp_replicate", the all-reduce of each unit's 1/(S·cp) gradient shard over R
+    (``cost.hsdp_step_bytes``), "dp" their sum; each timed on the link its group spans
+    (``cost.links_of_layout``), hidden as FSDP's. Dense models only.
 
     A MoE model (``MoEConfig``) has an "ep" entry in ``bytes_per_step``; ep: its experts split over
     ep of the dp·cp ranks that hold the same dense weights (ep divides dp·cp, and n_experts;
@@ -112,7 +130,17 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         raise ValueError(
             f"batch_size={batch_size} does not split into dp={dp} replicas of micro-batches "
             f"of {micro_batch}")
-    zero = check_zero(data_parallel, zero, pp)
+    hsdp = data_parallel == "hsdp"
+    if dp_shard is not None and not hsdp:
+        raise ValueError(f"dp_shard={dp_shard} is HSDP's shard group; pass data_parallel='hsdp'")
+    if hsdp:
+        if moe:
+            raise ValueError("data_parallel='hsdp' is counted for a dense model, not a MoE")
+        if dp_shard is None:
+            dp_shard = default_dp_shard(dp, pp, tp, cp, device.gpus_per_node)
+        cost.check_hsdp_shard(dp, dp_shard)
+    # HSDP shards as FSDP does inside its shard group: ZeRO-3, or 1 with a pipeline
+    zero = check_zero("fsdp" if hsdp else data_parallel, zero, pp)
     mode = cost.activation_mode(recompute)
     if mode in ("selective-op", "offload") and (moe or cp > 1):
         raise ValueError(
@@ -126,7 +154,10 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     for s in range(pp):
         # the dp·cp ranks holding the same weights share their states (ZeRO) and average gradients;
         # with ep > 1 an expert's, only its dp·cp/ep copies
-        if ep > 1:
+        if hsdp:  # the S·cp ranks of a shard group share their states, whatever the replicas
+            states = cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, s, "hsdp", zero, precision,
+                                                 dp_shard=dp_shard * cp)
+        elif ep > 1:
             states = cost.ep_mesh_memory_per_rank(cfg, dp * cp, tp, pp, s, ep, data_parallel, zero
                                                   or 3, precision)
         else:
@@ -148,13 +179,16 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         if mode == "offload":  # what crosses the host link, each way, and what the host holds
             host = cost.host_link_bytes_per_step(*args[:8], flash_attention, sequence_parallel,
                                                  activations)
+        # the last stage's final norm, output layer and loss (one fp32 copy of its V/tp logits)
+        kept_activations += cost.output_activation_bytes_per_rank(
+            *args[:6], b, sequence_parallel, "llama" if moe else activations)
         kept = dict(data_parallel=data_parallel, zero=zero or 3, activation_bytes=b, param_bytes=b,
                     grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute)
         if moe:
             sent = cost.ep_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, ep, **kept)
         else:
             sent = cost.cp_mesh_step_bytes(cfg, batch_size, seq_len, dp, cp, tp, pp, s, **kept,
-                                           attention=cp_attention)
+                                           attention=cp_attention, dp_shard=dp_shard)
         stages.append((states, kept_activations, sent, host))
     # the stage that needs the most memory in all (the first: most micro-batches in flight, or the
     # last: the output layer); the one holding the most states can be another
@@ -162,7 +196,7 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
     states, kept_activations = stages[worst][0], stages[worst][1]
     time = cost.step_time(cfg, batch_size, seq_len, dp, tp, pp, device, microbatches, data_parallel,
                           zero or 3, precision, sequence_parallel, recompute, cp=cp, ep=ep,
-                          cp_attention=cp_attention)
+                          cp_attention=cp_attention, dp_shard=dp_shard)
     extra = {}
     if mode == "offload":  # the host link's traffic against compute; what it exceeds is exposed
         host = max((st[3] for st in stages), key=lambda h: h["out"])
@@ -170,7 +204,11 @@ def plan_layout(cfg: ModelConfig, dp: int, pp: int, tp: int, batch_size: int, se
         step_s = time.step_s + extra["host"]["exposed_s"]
         time = replace(time, step_s=step_s, mfu=time.model_flops / (
             step_s * dp * cp * pp * tp * device.flops_per_s))
-    dims = (*reversed(AXES), "cp") + (("ep",) if moe else ())  # tp, pp, dp (fastest first), cp
+    # tp, pp, dp (fastest first), cp; HSDP's two groups of dp
+    dims = ((*reversed(AXES), "cp") + (("ep",) if moe else ())
+            + (("dp_shard", "dp_replicate") if hsdp else ()))
+    if hsdp:
+        extra.update(dp_shard=dp_shard, dp_replicate=dp // dp_shard)
     return {
         "dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "cp_attention": cp_attention,
         "data_parallel": data_parallel, "zero": zero,
@@ -194,7 +232,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
          flash_attention: bool = True, recompute=False, include_unfit: bool = False,
          sequence_parallel: bool = False, device: cost.Device = cost.H100, cp: int = 1, ep: int = 1,
          refused: list | None = None, activations: str = "llama",
-         cp_attention: str = "ring") -> list[dict]:
+         cp_attention: str = "ring", dp_shard: int | None = None) -> list[dict]:
     """The layouts of ``gpus`` GPUs that fit in ``gpu_memory_gib`` each, with ``fits`` on each
     (``include_unfit`` lists the rest too, after them), fastest predicted step first.
 
@@ -206,6 +244,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     cp_attention: its way of attending, "ring", "ulysses" or "allgather" (``plan_layout``; Ulysses
     refuses the layouts whose tp leaves a number of heads cp does not divide).
     ep: expert parallel degree of a MoE model, fixed: the layouts whose dp·cp it divides.
+    data_parallel: "fsdp", "ddp" or "hsdp"; dp_shard: HSDP's shard group (``plan_layout``; the
+    layouts whose dp it does not divide are refused), by default each layout's ``default_dp_shard``.
     refused: a list to which each layout the model or batch cannot take is appended, as (dp, pp, tp,
     why) (``why_no_layout`` says it in one line when none is left).
     """
@@ -219,6 +259,11 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
     check_divisible("gpus", gpus, "cp", cp)
     check_cp_attention(cp_attention)
     # said once here, not as a refusal of every layout
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {', '.join(map(repr, DATA_PARALLEL))}, "
+                         f"got {data_parallel!r}")
+    if dp_shard is not None and data_parallel != "hsdp":
+        raise ValueError(f"dp_shard={dp_shard} is HSDP's shard group; pass data_parallel='hsdp'")
     if activations not in cost.activations.FORMULAS:
         raise ValueError(
             f"activations must be one of {', '.join(map(repr, cost.activations.FORMULAS))}, "
@@ -236,7 +281,7 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
         try:
             row = plan_layout(cfg, dp, pp, tp, batch_size, seq_len, data_parallel, zero, precision,
                               micro_batch, flash_attention, recompute, sequence_parallel, device,
-                              cp, ep, activations, cp_attention)
+                              cp, ep, activations, cp_attention, dp_shard)
         except ValueError as e:
             if refused is not None:
                 refused.append((dp, pp, tp, str(e)))
@@ -251,6 +296,14 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory_gib: float, gpus_per_node: int 
                              + r["bytes_per_step"].get("ep", 0.0),
                              r["bytes_per_step"]["tp"]))
     return rows
+
+
+def default_dp_shard(dp: int, pp: int, tp: int, cp: int, gpus_per_node: int) -> int:
+    """HSDP's shard group by default: min(dp, gpus_per_node // (tp·pp·cp)) replicas' ranks, so that
+    the group (with their cp·pp·tp) fits in a machine and its gathers stay on NVLink; the largest
+    divisor of dp up to that (1 when tp·pp·cp fills a machine alone: DDP across machines)."""
+    fits = max(1, gpus_per_node // (tp * pp * cp))
+    return max(d for d in divisors(dp) if d <= fits)
 
 
 def divisors(n: int) -> list[int]:
@@ -337,7 +390,8 @@ def format_plan(rows: list[dict], title: str = "") -> str:
                      f"{r['mfu']:>5.1%}  {'yes' if r['fits'] else 'no'}")
     lines.append(
         "states: parameters, gradients, AdamW (the formulas minitp's runs are checked against); "
-        f"activations: under 1F1B, {ACTIVATION_NOTES[rows[0].get('activation_formula', 'llama')]}; "
+        f"activations: under 1F1B, {ACTIVATION_NOTES[rows[0].get('activation_formula', 'llama')]}"
+        ", and the last stage's loss's fp32 logits; "
         "bytes: what the busiest rank sends per step; "
         f"step and MFU: predicted on {rows[0]['device']} (minitp.cost.step_time)")
     return "\n".join(lines)

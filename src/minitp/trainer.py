@@ -159,15 +159,16 @@ def counts_in_norm(par: Parallel3D, name: str) -> bool:
     the world each element of the model is counted once (Megatron's
     ``param_is_not_tensor_parallel_duplicate``, with the replicas added): pipeline stages and tp
     slices hold different elements (all count), a replicated (norm) weight is the same on every tp
-    rank (the first counts), FSDP shards are disjoint (all count), DDP replicas hold the same
+    rank (the first counts), FSDP shards are disjoint (all count; under HSDP those of the first
+    replica, dp coordinates below dp_shard, the others holding the same), DDP replicas hold the same
     gradients after the average (the first replica counts; under context parallel the dp axis's
     dp·cp ranks), and under expert parallel the first ep ranks of the dp axis hold every expert
     between them (as a checkpoint writes them)."""
     coords = par.mesh.coords
     if par.split_dims[name] is None and coords.tp != 0:
         return False  # replicated over tp: tp rank 0 counts it
-    if par.fsdp is not None:
-        return True  # a shard of its own
+    if par.fsdp is not None:  # a shard of its own (HSDP: the first replica's)
+        return par.mesh.dp_shard is None or coords.dp < par.mesh.dp_shard
     return coords.dp == 0 or (coords.dp < par.mesh.ep and ".experts." in name)
 
 

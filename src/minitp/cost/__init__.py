@@ -46,6 +46,8 @@ from minitp.cost.activations import (
     block_activation_bytes,
     kv_cache_bytes,
     llama_block_activation_bytes,
+    output_activation_bytes,
+    output_activation_bytes_per_rank,
     recompute_mode,
     tiny_block_activation_bytes,
 )
@@ -125,6 +127,7 @@ from minitp.cost.strategies import (
     tp_region_bytes,
 )
 from minitp.cost.threed import (
+    check_hsdp_shard,
     rank_num_blocks,
     stage_num_tensors,
     stage_unit_numels,
@@ -170,10 +173,12 @@ __all__ = [
     # activations
     "recompute_mode", "block_activation_bytes", "llama_block_activation_bytes",
     "activation_bytes_per_rank", "tiny_block_activation_bytes",
-    "kv_cache_bytes", "attention_weight_shapes",
+    "kv_cache_bytes", "attention_weight_shapes", "output_activation_bytes",
+    "output_activation_bytes_per_rank",
     # threed
     "rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank",
-    "threed_step_bytes", "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes",
+    "threed_step_bytes", "threed_memory_per_rank", "check_hsdp_shard", "tp_step_bytes",
+    "tp_run_bytes",
     # context
     "cp_kv_block_bytes", "cp_attention_bytes", "cp_step_bytes", "cp_run_bytes",
     "cp_memory_per_rank", "allgather_attention_bytes",

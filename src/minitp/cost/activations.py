@@ -33,7 +33,7 @@ from minitp.layout import check_tp_config, stage_num_blocks
 
 __all__ = ["recompute_mode", "block_activation_bytes", "llama_block_activation_bytes",
            "activation_bytes_per_rank", "tiny_block_activation_bytes", "kv_cache_bytes",
-           "attention_weight_shapes"]
+           "attention_weight_shapes", "output_activation_bytes", "output_activation_bytes_per_rank"]
 
 
 def recompute_mode(recompute) -> str:
@@ -121,6 +121,51 @@ def activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int,
     # min(pp - stage, m)
     in_flight = pp_peak_microbatches_in_flight(pp, microbatches, stage, "1f1b")
     return per_block * stage_num_blocks(cfg.n_layers, pp, stage) * in_flight
+
+
+def output_activation_bytes(cfg, micro_batch: int, seq: int, tp: int = 1,
+                            sequence_parallel: bool = False, dtype_bytes: int = 2,
+                            regather: bool = False) -> int:
+    """The bytes the last stage keeps for backward after its blocks, for one micro-batch on one
+    tensor-parallel rank, as ``minitp.models`` computes them (N = b·s tokens, V the vocabulary,
+    p = tp under sequence parallel, else 1):
+
+    * the final RMSNorm, as a block's: its input, its normalised output and 1/rms, (2·N·D + N)/p;
+      then the output layer's (N, D) input (all-gathered under sequence parallel; ``regather``:
+      only its N·D/p slice), in ``dtype_bytes``;
+    * the loss: one fp32 copy of the logits, 4·N·V/t bytes whatever the precision. ``loss_fn``
+      upcasts the logits to fp32 and ``F.cross_entropy`` keeps its log-softmax's fp32 output
+      (nll_loss reads the same tensor), plus the int64 targets and a 4-byte total weight; tensor
+      parallel's vocabulary-parallel loss (the output layer is column-parallel: each rank's logits
+      are (N, V/t)) keeps its shifted fp32 logits (N, V/t) and, per position, the log-sum-exp
+      (fp32), the local target (int64) and whether this rank holds it (bool).
+
+    Only what is held from the loss's forward to its backward is counted, as for every block. The
+    model's bf16 logits and their fp32 upcast live beside the kept copy only while the loss's
+    forward runs (2 + 4 + 4 bytes per logit at that moment: 9.8 GiB per sequence of 8192 tokens of
+    LLaMA-3's 128,256 at t = 1, against the 3.9 GiB kept), and backward makes the gradient's
+    copies beside it; transients are not counted anywhere in this model. A fused cross-entropy
+    (computing the gradient chunk by chunk in forward, as Liger's or Apple's cut cross-entropy do)
+    keeps no (N, V) tensor at all: for one, this count is an upper bound."""
+    n, d, p = micro_batch * seq, cfg.dim, tp if sequence_parallel else 1
+    norm = (2 * n * d + n) // p + (n * d // p if regather else n * d)
+    logits = 4 * n * cfg.vocab_size // tp
+    per_position = 8 * n + 4 if tp == 1 else (4 + 8 + 1) * n
+    return norm * dtype_bytes + logits + per_position
+
+
+def output_activation_bytes_per_rank(cfg, micro_batch: int, seq: int, tp: int, pp: int,
+                                     stage: int, dtype_bytes: int = 2,
+                                     sequence_parallel: bool = False,
+                                     formula: str = "llama") -> int:
+    """``output_activation_bytes`` on the last stage (its input gathered again in backward under
+    ``formula`` "llama-regather"), 0 on the others. Under 1F1B the last stage runs each
+    micro-batch's backward right after its forward: it holds one micro-batch's, whatever m is. No
+    recomputation mode touches it: the output layer and the loss are outside the blocks."""
+    if stage != pp - 1:
+        return 0
+    return output_activation_bytes(cfg, micro_batch, seq, tp, sequence_parallel, dtype_bytes,
+                                   regather=formula == "llama-regather")
 
 
 def tiny_block_activation_bytes(cfg, batch: int, seq: int, tp: int = 1,

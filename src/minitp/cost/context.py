@@ -260,8 +260,8 @@ def cp3d_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, mesh_d
 def cp_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp: int, stage: int,
                        data_parallel: str = "ddp", zero: int = 3, activation_bytes: int = 4,
                        param_bytes: int = 4, grad_bytes: int = 4, sequence_parallel: bool = False,
-                       recompute=False, virtual_stages: int = 1,
-                       attention: str = "ring") -> dict[str, float]:
+                       recompute=False, virtual_stages: int = 1, attention: str = "ring",
+                       dp_shard: int | None = None) -> dict[str, float]:
     """Bytes per training step of a rank at ``stage`` of a dp·cp·pp·tp mesh, per dimension
     {"tp", "pp", "dp", "cp"} (what the planner and the time model count; cp = 1:
     ``threed_step_bytes`` and no ring). A replica's B/dp rows at S/cp positions per rank move the
@@ -270,12 +270,15 @@ def cp_mesh_step_bytes(cfg, batch: int, seq: int, dp: int, cp: int, tp: int, pp:
     heads of B/dp rows (``attention``: "ulysses" or "allgather", that way's bytes instead,
     ``cp_kind_attention_bytes``). Full recomputation runs each block's forward again before its
     backward, messages included: tensor parallel's forward all-reduces, and the attention's forward
-    messages (the ring's keys and values, Ulysses' four all-to-alls, the all-gathers), once more."""
+    messages (the ring's keys and values, Ulysses' four all-to-alls, the all-gathers), once more.
+    data_parallel "hsdp": ``dp_shard`` of the dp replicas form a shard group with their cp ranks
+    (FSDP over dp_shard·cp ranks), and dp/dp_shard such groups all-reduce the gradient shards."""
     check_divisible("seq_len", seq, "cp", cp)
+    shard = None if dp_shard is None else dp_shard * cp
     sent = threed_step_bytes(cfg, batch * cp, seq // cp, dp * cp, tp, pp, stage, 0, data_parallel,
                              zero, activation_bytes=activation_bytes, param_bytes=param_bytes,
                              grad_bytes=grad_bytes, sequence_parallel=sequence_parallel,
-                             recompute=recompute, virtual_stages=virtual_stages)
+                             recompute=recompute, virtual_stages=virtual_stages, dp_shard=shard)
     blocks = rank_num_blocks(cfg.n_layers, pp, stage, virtual_stages)
     heads = (cfg.n_heads // tp, cfg.kv_heads // tp, cfg.head_dim, cp, activation_bytes)
     sent["cp"] = blocks * cp_kind_attention_bytes(attention, batch // dp, seq, *heads)

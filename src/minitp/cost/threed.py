@@ -12,6 +12,8 @@ from minitp.cost.strategies import (
     ddp_run_bytes,
     fsdp_memory_per_rank,
     fsdp_run_bytes,
+    hsdp_memory_per_rank,
+    hsdp_step_bytes,
     memory_per_rank,
     pp_step_bytes,
     tp_block_bytes,
@@ -19,7 +21,8 @@ from minitp.cost.strategies import (
 from minitp.layout import check_divisible, stage_num_blocks
 
 __all__ = ["rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_params_per_rank",
-           "threed_step_bytes", "threed_memory_per_rank", "tp_step_bytes", "tp_run_bytes"]
+           "threed_step_bytes", "threed_memory_per_rank", "check_hsdp_shard", "tp_step_bytes",
+           "tp_run_bytes"]
 
 
 # -- 3D: data × pipeline × tensor parallel, and the layout planner ---------------------------------
@@ -33,7 +36,9 @@ __all__ = ["rank_num_blocks", "stage_unit_numels", "stage_num_tensors", "threed_
 #        embedding (first stage), 1 for the output layer and the loss's (B/dp)·S·12 bytes (last
 # stage)
 #   pp   pp_step_bytes at batch B/dp: A forward unless last, A backward unless first
-#   dp   DDP: an all-reduce of its Ψ_rank gradients; FSDP: fsdp_step_bytes of its units over dp
+#   dp   DDP: an all-reduce of its Ψ_rank gradients; FSDP: fsdp_step_bytes of its units over dp;
+#        HSDP (dp = R replicas × S shards): fsdp_step_bytes over the S ranks of its shard group
+#        ("dp_shard") and the all-reduce of its 1/S of the gradients over R ("dp_replicate")
 #
 # A dimension of size 1 sends nothing (every formula above gives 0 at n = 1).
 
@@ -74,14 +79,17 @@ def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stag
                       activation_bytes: int = 4, param_bytes: int = 4, grad_bytes: int = 4,
                       start_up: bool = False, state_dict: bool = False,
                       sequence_parallel: bool = False, recompute: bool | str = False,
-                      virtual_stages: int = 1) -> dict[str, float]:
+                      virtual_stages: int = 1, dp_shard: int | None = None) -> dict[str, float]:
     """Bytes a rank at (dp_rank, stage, ·) sends over ``steps`` steps, per dimension:
     {"tp","pp","dp"}.
 
     data_parallel: "ddp" (an all-reduce of the gradients; with ``start_up`` the first rank's
-    broadcast of the parameters) or "fsdp" (ZeRO ``zero``; with ``state_dict`` the final all-gather
-    of the full parameters). FSDP's parameter gathers use ``param_bytes``, its gradient sums 4
-    bytes. sequence_parallel / recompute: as in ``tp_block_bytes`` (sequence parallel turns each
+    broadcast of the parameters), "fsdp" (ZeRO ``zero``; with ``state_dict`` the final all-gather
+    of the full parameters) or "hsdp" (``hsdp_step_bytes``: FSDP over shard groups of ``dp_shard``
+    ranks, the gradient shards all-reduced over dp/dp_shard replicas; "dp" is their sum, and
+    "dp_shard", "dp_replicate" each group's; with ``state_dict`` the final all-gather inside the
+    shard group). FSDP's parameter gathers use ``param_bytes``, its gradient sums 4 bytes.
+    sequence_parallel / recompute: as in ``tp_block_bytes`` (sequence parallel turns each
     all-reduce into a reduce-scatter and an all-gather, same bytes, and adds the norm weights'
     gradients; full recomputation repeats forward's two collectives per block).
     """
@@ -109,22 +117,44 @@ def threed_step_bytes(cfg, batch: int, seq: int, dp: int, tp: int, pp: int, stag
     elif data_parallel == "fsdp":
         dp_bytes = fsdp_run_bytes(numels, dp, steps, zero, True, param_bytes, 4, stage == 0 or last,
                                   state_dict) / steps
+    elif data_parallel == "hsdp":
+        shard = check_hsdp_shard(dp, dp_shard)
+        groups = {group: steps * sent for group, sent in hsdp_step_bytes(
+            numels, dp // shard, shard, zero, True, param_bytes, 4, stage == 0 or last).items()}
+        # the state dict: the fp32 master shards all-gathered inside the shard group
+        groups["dp_shard"] += fsdp_run_bytes(numels, shard, 0, state_dict=state_dict)
+        return {"tp": steps * tp_bytes, "pp": steps * pp_bytes,
+                "dp": groups["dp_shard"] + groups["dp_replicate"], **groups}
     else:
-        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+        raise ValueError(f"data_parallel must be 'ddp', 'fsdp' or 'hsdp', got {data_parallel!r}")
     return {"tp": steps * tp_bytes, "pp": steps * pp_bytes, "dp": steps * dp_bytes}
 
 
 def threed_memory_per_rank(cfg, dp: int, tp: int, pp: int, stage: int, data_parallel: str = "ddp",
-                           zero: int = 3, precision: str = "fp32",
-                           virtual_stages: int = 1) -> dict[str, float]:
+                           zero: int = 3, precision: str = "fp32", virtual_stages: int = 1,
+                           dp_shard: int | None = None) -> dict[str, float]:
     """Bytes a rank of stage ``stage`` holds in parameters, gradients and AdamW state: its own
-    Ψ_rank, sharded over dp by FSDP (ZeRO ``zero``; units padded to a multiple of dp) or whole under
-    DDP."""
+    Ψ_rank, sharded over dp by FSDP (ZeRO ``zero``; units padded to a multiple of dp), over its
+    shard group of ``dp_shard`` ranks by HSDP (``hsdp_memory_per_rank``: ZeRO-3, 16Ψ_rank/S in
+    bf16, whatever the replicas), or whole under DDP."""
     v = virtual_stages
+    if data_parallel == "hsdp":
+        return hsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage, v),
+                                    check_hsdp_shard(dp, dp_shard), zero, precision)
     if data_parallel == "fsdp" and dp > 1:
         return fsdp_memory_per_rank(stage_unit_numels(cfg, tp, pp, stage, v), dp, zero, precision)
     return memory_per_rank(threed_params_per_rank(cfg, tp, pp, stage, v), 1, zero=0,
                            precision=precision, num_tensors=stage_num_tensors(cfg, pp, stage, v))
+
+
+def check_hsdp_shard(dp: int, dp_shard: int | None) -> int:
+    """HSDP's shard group size: ``dp_shard``, which must divide the ``dp`` ranks (R = dp/S
+    replicas of S shards each)."""
+    if not isinstance(dp_shard, int) or dp_shard < 1:
+        raise ValueError(f"HSDP needs dp_shard, an integer >= 1, got {dp_shard!r}")
+    check_divisible("dp", dp, "dp_shard", dp_shard,
+                    ": HSDP splits dp into replicas of dp_shard ranks each")
+    return dp_shard
 
 
 # -- tensor parallel alone: the whole model, one stage that is first and last ----------------------

@@ -40,7 +40,7 @@ from minitp.cost.context import check_cp_attention, cp_mesh_step_bytes
 from minitp.cost.devices import A100, DEVICES, H100, Device, Link, device_from_calibration
 from minitp.cost.experts import active_params, check_ep, ep_mesh_step_bytes
 from minitp.cost.strategies import collective_sent_bytes
-from minitp.cost.threed import rank_num_blocks
+from minitp.cost.threed import check_hsdp_shard, rank_num_blocks
 from minitp.layout import CP_TILE, check_positive, cp_chunks
 
 __all__ = ["Link", "Device", "H100", "A100", "DEVICES", "device_from_calibration",
@@ -216,19 +216,25 @@ def ring_exposed_s(chunk_s: float, message_s: float, n: int, overlapped: bool) -
     return (n - 1) * per_step
 
 
-def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1,
-                    ep: int = 1) -> dict[str, Link]:
+def links_of_layout(dp: int, pp: int, tp: int, device: Device, cp: int = 1, ep: int = 1,
+                    dp_shard: int | None = None) -> dict[str, Link]:
     """Which link each dimension's messages cross, with minitp's order (tp fastest, then pp, then cp
     inside the dp dimension, dp slowest; ranks filling machines in order): a group stays inside a
     machine when its span (tp; tp·pp; cp·pp·tp; dp·cp·pp·tp) fits in one. An ep group, ep
     consecutive ranks of the dp·cp dimension, spans ep·pp·tp. Megatron and torchtitan order pp
-    outermost instead; the tp rule is the same."""
+    outermost instead; the tp rule is the same. With ``dp_shard`` (HSDP, shard fastest inside dp,
+    as ``minitp.hsdp`` numbers its ranks): "dp_shard", a shard group spanning dp_shard·cp·pp·tp,
+    and "dp_replicate", its replicas, one per shard group, spanning all dp·cp·pp·tp."""
     inside = device.gpus_per_node
-    return {"tp": device.intra if tp <= inside else device.inter,
-            "pp": device.intra if tp * pp <= inside else device.inter,
-            "cp": device.intra if cp * pp * tp <= inside else device.inter,
-            "dp": device.intra if dp * cp * pp * tp <= inside else device.inter,
-            "ep": device.intra if ep * pp * tp <= inside else device.inter}
+    links = {"tp": device.intra if tp <= inside else device.inter,
+             "pp": device.intra if tp * pp <= inside else device.inter,
+             "cp": device.intra if cp * pp * tp <= inside else device.inter,
+             "dp": device.intra if dp * cp * pp * tp <= inside else device.inter,
+             "ep": device.intra if ep * pp * tp <= inside else device.inter}
+    if dp_shard is not None:
+        links["dp_shard"] = device.intra if dp_shard * cp * pp * tp <= inside else device.inter
+        links["dp_replicate"] = links["dp"]
+    return links
 
 
 # -- one training step -----------------------------------------------------------------------------
@@ -261,7 +267,7 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
               zero: int = 3, precision: str = "bf16", sequence_parallel: bool = False,
               recompute="none", overlap: bool = True, buckets: int | None = None, cp: int = 1,
               virtual_stages: int = 1, ep: int = 1, balanced: bool = True,
-              cp_attention: str = "ring") -> StepTime:
+              cp_attention: str = "ring", dp_shard: int | None = None) -> StepTime:
     """Predicted seconds of one training step of ``cfg`` on dp·cp·pp·tp ranks of ``device``.
 
     Overlap (``overlap=True``): DDP's bucketed all-reduce hides behind backward (2/3 of the compute;
@@ -297,6 +303,11 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     compute (they depend only on that layer's input); this model does not assume it, so the
     all-gather's figure is an upper bound. The small operations (``strategy_ops``) are the ring's,
     measured; the other ways' are not counted.
+
+    data_parallel "hsdp" (``dp_shard`` of the dp replicas per shard group, with their cp ranks): the
+    shard group's gathers and reduce-scatters on the link its span crosses, the all-reduce of the
+    gradient shards over the dp/dp_shard replicas on the replicate group's (``links_of_layout``),
+    one after the other in dp_s; ZeRO-3's prefetch hides them behind all of the compute, as FSDP's.
 
     virtual_stages: interleaved 1F1B's v chunks per rank: the bubble shrinks to compute·(p-1)/(v·m),
     and each micro-batch crosses v times as many boundaries (v times the pipeline's sends).
@@ -349,11 +360,17 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     check_positive("virtual_stages", v)
     bubble = compute * (pp - 1) / (v * m)
     # as the ranks see it when they outnumber the cores
-    links = {dim: link_on_machine(link, device, gpus)
-             for dim, link in links_of_layout(dp, pp, tp, device, cp, ep).items()}
+    hsdp = data_parallel == "hsdp"
+    links = {dim: link_on_machine(link, device, gpus) for dim, link in links_of_layout(
+        dp, pp, tp, device, cp, ep, dp_shard if hsdp else None).items()}
     worst = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0, "ep": 0.0}
     sizes = {"tp": tp, "pp": pp, "dp": dp * cp, "cp": cp, "ep": ep}
     moe = check_ep(cfg, ep)
+    if hsdp:
+        if moe:
+            raise ValueError("data_parallel='hsdp' is counted for a dense model, not a MoE")
+        shard = check_hsdp_shard(dp, dp_shard)
+        sizes.update(dp_shard=shard * cp, dp_replicate=dp // shard)
     for stage in range(pp):
         kept = dict(data_parallel=data_parallel, zero=zero, activation_bytes=b, param_bytes=b,
                     grad_bytes=b, sequence_parallel=sequence_parallel, recompute=recompute,
@@ -362,22 +379,25 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
             sent = ep_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, ep, **kept)
         else:
             sent = {**cp_mesh_step_bytes(cfg, batch, seq, dp, cp, tp, pp, stage, **kept,
-                                         attention=cp_attention),
+                                         attention=cp_attention, dp_shard=dp_shard),
                     "ep": 0.0}
         blocks = rank_num_blocks(cfg.n_layers, pp, stage, v)
         # the embedding's all-reduce; the output's and the loss's two
         ends = (stage == 0) + 3 * (stage == pp - 1)
         steps = _ring_steps(blocks, m, sizes, data_parallel, zero, recompute, sent["dp"], buckets,
                             v, cp_attention, ends)
+        # HSDP's dp: its two groups, each on its own link
+        timed = {"dp": ("dp_shard", "dp_replicate")} if hsdp else {}
         for dim in worst:
-            link = links[dim]
-            worst[dim] = max(worst[dim], steps[dim] * link.alpha_s + sent[dim] / link.bytes_per_s)
+            seconds = sum(steps.get(part, 0) * links[part].alpha_s
+                          + sent[part] / links[part].bytes_per_s for part in timed.get(dim, (dim,)))
+            worst[dim] = max(worst[dim], seconds)
     if device.cores and gpus >= device.cores:
         # a CPU moves gloo's bytes with its own cores: with none spare, nothing hides
         overlap = False
     if not overlap:
         window = 0.0
-    elif data_parallel == "fsdp" and zero == 3:
+    elif data_parallel in ("fsdp", "hsdp") and zero == 3:
         window = compute
     else:
         window = compute * 2 / 3 / m
@@ -402,7 +422,8 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
     eight all-to-alls, or the all-gather's two all-gathers and two reduce-scatters (keys and
     values), c-1 each; with full recomputation the forward's again; ep: per micro-batch and MoE
     layer, five all-to-alls of e-1 steps each: the dispatch's counts, then its rows, the combine,
-    and the two gradients (the counts have none)."""
+    and the two gradients (the counts have none). HSDP ("dp_shard", "dp_replicate" in ``sizes``):
+    FSDP's per unit in the shard group, and one all-reduce per unit across the replicas."""
     tp, pp, dp = sizes["tp"], sizes["pp"], sizes["dp"]
     cp, ep = sizes.get("cp", 1), sizes.get("ep", 1)
     per_block = 6 if recompute == "full" else 4
@@ -421,6 +442,9 @@ def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int,
                 dp - 1) / dp) / (25 * 2**20)))) * 2 * (dp - 1)
         # ZeRO-3: gather in forward and in backward, reduce-scatter; ZeRO-1/2: reduce-scatter,
         # gather
+        elif data_parallel == "hsdp":
+            out["dp_shard"] = units * (3 if zero == 3 else 2) * (sizes["dp_shard"] - 1)
+            out["dp_replicate"] = units * 2 * (sizes["dp_replicate"] - 1)
         else:
             out["dp"] = units * (3 if zero == 3 else 2) * (dp - 1)
     return out

@@ -181,7 +181,8 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
                           buckets=details.get("num_buckets"), cp=layout.get("cp", 1),
                           virtual_stages=details.get("virtual_stages") or 1, ep=ep,
                           balanced=details.get("balanced", True),
-                          cp_attention=details.get("attention") or "ring")
+                          cp_attention=details.get("attention") or "ring",
+                          dp_shard=layout.get("dp_shard"))
     if layout.get("cp", 1) > 1 and details.get("attention") in ("ulysses", "allgather"):
         return time.step_s, (f"{details['attention']}'s messages are in the prediction, the small "
                              "operations it adds are not (minitp calibrate measured the ring's)")

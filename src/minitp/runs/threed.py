@@ -32,7 +32,8 @@ from minitp.trainer import build, train_step
 def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, start_step: int,
                resume_from: str | None, save_to: str | None) -> dict:
     cfg = options.pop("moe", None) or get_config(model_name)
-    mesh = Mesh(shape["dp"], shape["pp"], shape["tp"], cp=shape["cp"], ep=shape["ep"])
+    mesh = Mesh(shape["dp"], shape["pp"], shape["tp"], cp=shape["cp"], ep=shape["ep"],
+                dp_shard=shape["dp_shard"])
     par = Parallel3D(build(cfg, train.seed), mesh, lr=train.lr, **options)
     if resume_from:
         checkpoint.load(par, resume_from, expected_step=start_step)
@@ -67,8 +68,8 @@ def _3d_worker(model_name: str, train: TrainConfig, shape: dict, options: dict, 
 def _bytes_by_dim(events) -> dict[str, float]:
     """Bytes sent over each mesh dimension (the dimension each event's process group was named)."""
     sent = {dim: row["sent_bytes"] for (dim,), row in _trace.totals(events, by=("dim",)).items()}
-    return {dim: sent.get(dim, 0.0) for dim in layout.AXES + tuple(d for d in ("cp", "ep")
-                                                                   if d in sent)}
+    more = tuple(d for d in ("cp", "ep", *layout.DP_HALVES) if d in sent)
+    return {dim: sent.get(dim, 0.0) for dim in layout.AXES + more}
 
 
 def _check_output_folder(name: str, path: str | None) -> None:
@@ -93,7 +94,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
            schedule: str = "1f1b", model: str = "tiny", batch_size: int = 8, seq_len: int = 16,
            lr: float = 3e-3, seed: int = 0, backend: str = "gloo", timeout: float = 300.0,
            resume_from: str | None = None, save_to: str | None = None, cp: int = 1, ep: int = 1,
-           experts: int = 8, virtual_stages: int | None = None, attention: str = "ring") -> Report:
+           experts: int = 8, virtual_stages: int | None = None, attention: str = "ring",
+           dp_shard: int | None = None) -> Report:
     """Train with ``minitp.parallel3d.Parallel3D`` on a dp × pp × tp mesh and report it against the
     three oracles, the bytes split by dimension too (``comm_bytes_*_by_dim``).
 
@@ -116,6 +118,10 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
         experts, dp/ep copies of each expert; the rest data parallel over dp (tp = 1, DDP; with pp,
         each stage's experts over its stage's ep group, every stage adding its layers' auxiliary
         loss itself).
+    dp_shard: HSDP (``minitp.hsdp``) over the dp axis: dp/dp_shard replicas of dp_shard shards
+        each, every stage's tp slice FSDP-sharded (ZeRO ``zero``) over its shard group and its
+        gradient shards all-reduced over its replicate group (with or without ``fsdp``); its bytes
+        are checked per group ("dp_shard", "dp_replicate") against ``cost.threed_step_bytes``.
     """
     nproc = dp * cp * pp * tp if nproc is None else nproc
     train = check_run("3d", locals(), data_parallel=dp, tensor_parallel=tp)
@@ -129,8 +135,11 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     cfg = get_config(model)
     layout.check_batch(batch_size, dp)
     v = virtual_stages or (2 if schedule == "interleaved" else 1)
-    dims = grid.ParallelDims(dp, pp, tp, cp, ep, "fsdp" if fsdp else "ddp", zero, schedule, v,
-                             attention)
+    kind = "hsdp" if dp_shard is not None else "fsdp" if fsdp else "ddp"
+    dims = grid.ParallelDims(dp, pp, tp, cp, ep, kind, zero, schedule, v, attention, dp_shard)
+    if dp_shard is not None and (save_to or resume_from):
+        raise ValueError("--dp-shard with --save-to or --resume-from: minitp's checkpoints do not "
+                         "take HSDP's replicated shards yet")
     moe = None
     if ep > 1:
         layout.check_divisible("experts", experts, "ep", ep,
@@ -163,7 +172,7 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
     if moe is not None:
         options["moe"] = moe
     # the mesh's dp axis holds dp·cp ranks
-    shape = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep}
+    shape = {"dp": dp * cp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "dp_shard": dp_shard}
     results = launch(_3d_worker, nproc, model, train, shape, options, start_step, resume_from,
                      save_to, backend=backend, timeout=timeout, echo=False)
     ran = steps - start_step
@@ -179,12 +188,15 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
                                                data_parallel=data_parallel, zero=zero or 3,
                                                state_dict=True, attention=attention))
             continue
-        by_dim.append(cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d,
-                                             data_parallel, zero or 3, steps=ran, start_up=True,
-                                             state_dict=True, virtual_stages=v))
+        sent = cost.threed_step_bytes(cfg, batch_size, seq_len, dp, tp, pp, s, d, data_parallel,
+                                      zero or 3, steps=ran, start_up=True, state_dict=True,
+                                      virtual_stages=v, dp_shard=dp_shard)
+        if dp_shard is not None:  # HSDP: the dp axis's bytes are its two groups', "dp" their sum
+            sent.pop("dp")
+        by_dim.append(sent)
     expected_memory = [cost.threed_memory_per_rank(cfg, dp * cp, tp, pp, r["coords"][1],
-                                                   data_parallel, zero or 3,
-                                                   virtual_stages=v) for r in results]
+                                                   data_parallel, zero or 3, virtual_stages=v,
+                                                   dp_shard=dp_shard) for r in results]
     traced_by_dim = [_bytes_by_dim(t.events) for t in results.traces]
     # the training steps alone, without DDP's start-up broadcast and FSDP's final gather (the
     # planner's view)
@@ -200,7 +212,8 @@ def run_3d(nproc: int | None = None, dp: int = 2, tp: int = 2, pp: int = 2, fsdp
                 for r in results]
     ref_losses, ref_state = full_batch(cfg, train)
     return build_report(
-        "3d", {"dp": dp, "tp": tp, "pp": pp, **({"cp": cp} if cp > 1 else {})}, per_rank, results,
+        "3d", {"dp": dp, "tp": tp, "pp": pp, **({"cp": cp} if cp > 1 else {}),
+               **({"dp_shard": dp_shard} if dp_shard is not None else {})}, per_rank, results,
         model, replace(train, steps=ran),
         [sum(b.values()) for b in by_dim], expected_memory,
         reference=(ref_losses[start_step:], ref_state), start_step=start_step,
@@ -288,6 +301,9 @@ register(Strategy("3d", run_3d,
     Option("experts", int, 8, "experts per MoE layer when ep > 1 (a multiple of ep)", low=1,
            high=MAX_EXPERTS),
     Option("fsdp", bool, False, "FSDP across replicas instead of DDP"),
+    Option("dp_shard", int, None,
+           "HSDP: FSDP inside groups of dp_shard dp ranks, all-reduce across them (divides dp)",
+           low=1, optional=True),
     Option("zero", int, None, "FSDP's ZeRO stage (default 3 without a pipeline, 1 with one)",
            choices=(None, 1, 2, 3)),
     Option("microbatches", int, None, "micro-batches per step when pp > 1 (default batch_size/dp)",

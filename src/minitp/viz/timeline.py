@@ -248,12 +248,14 @@ def memory_bars(memory, expected: list[dict] | None = None, *, names: list[str] 
 
 
 # -- loss against the reference --------------------------------------------------------------------
-def loss_curve(run, reference: list[float] | None = None, *, title: str = "", width: float = 8.0):
+def loss_curve(run, reference: list[float] | None = None, *, title: str = "", width: float = 8.0,
+               reference_label: str = "one process"):
     """The loss per step of one or more runs next to the one-process reference.
 
     run: a run report (uses ``loss`` and ``reference_loss``), a list of losses, or
         {name: losses} for several runs.
     reference: the one-process losses (taken from the report when ``run`` is one).
+    reference_label: what the reference is called (another run's name: "fp32").
     """
     if hasattr(run, "keys") and "loss" in run and "reference_loss" in run:  # a Report, or its JSON
         reference = run["reference_loss"] if reference is None else reference
@@ -267,7 +269,7 @@ def loss_curve(run, reference: list[float] | None = None, *, title: str = "", wi
         1, 2, width_ratios=[3, 2]) if reference is not None else (fig.add_subplot(), None)
     if reference is not None:
         ax.plot(range(len(reference)), reference, color="black", linestyle="--", linewidth=1.5,
-                label="one process", gid="reference", zorder=3)
+                label=reference_label, gid="reference", zorder=3)
     for i, (name, losses) in enumerate(runs.items()):
         color = style.RANK_COLORS[(i + 1) % len(style.RANK_COLORS)] if len(
             runs) > 1 else style.RANK_COLORS[0]
@@ -290,7 +292,7 @@ def loss_curve(run, reference: list[float] | None = None, *, title: str = "", wi
     if ax_diff is not None:
         ax_diff.set_yscale("log")
         ax_diff.set_xlabel("step")
-        ax_diff.set_ylabel("|loss - one process|")
+        ax_diff.set_ylabel(f"|loss - {reference_label}|")
         ax_diff.spines[["top", "right"]].set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
