@@ -15,7 +15,8 @@ def _fresh_tries():
 
 
 # -- exercise 1: the gather ring with its matmul ---------------------------------------------------
-def gather_matmul(x_shard, weight, group):
+def ring(x_shard, weight, group, held_chunk=lambda r, k, n: (r - k) % n):
+    """The gather ring with its matmul; ``held_chunk`` says whose rows step k's chunk fills."""
     n, r = comm.group_size(group), comm.group_rank(group)
     ranks = comm.group_ranks(group)
     right, left = ranks[(r + 1) % n], ranks[(r - 1) % n]
@@ -26,13 +27,17 @@ def gather_matmul(x_shard, weight, group):
         if k < n - 1:
             incoming = torch.empty_like(held)
             handles = [comm.isend(held, right, group), comm.irecv(incoming, left, group)]
-        c = (r - k) % n
+        c = held_chunk(r, k, n)
         out[:, c * local:(c + 1) * local] = F.linear(held, weight)
         if k < n - 1:
             for h in handles:
                 h.wait()
             held = incoming
     return out
+
+
+def gather_matmul(x_shard, weight, group):
+    return ring(x_shard, weight, group)
 
 
 def gather_first(x_shard, weight, group):
@@ -63,21 +68,7 @@ def with_all_gather(x_shard, weight, group):
 
 def rows_of_the_wrong_chunk(x_shard, weight, group):
     """Writes step k's chunk into the rows of chunk (r + k): wrong on 3 ranks."""
-    n, r = comm.group_size(group), comm.group_rank(group)
-    local = x_shard.shape[1]
-    out = x_shard.new_empty(x_shard.shape[0], n * local, weight.shape[0])
-    held = x_shard
-    for k in range(n):
-        if k < n - 1:
-            incoming = torch.empty_like(held)
-            handles = [comm.isend(held, (r + 1) % n, group), comm.irecv(incoming, (r - 1) % n, group)]
-        c = (r + k) % n
-        out[:, c * local:(c + 1) * local] = F.linear(held, weight)
-        if k < n - 1:
-            for h in handles:
-                h.wait()
-            held = incoming
-    return out
+    return ring(x_shard, weight, group, held_chunk=lambda r, k, n: (r + k) % n)
 
 
 def stub(*args):
