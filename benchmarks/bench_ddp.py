@@ -15,6 +15,11 @@ one overlaps the backward of the layers before it: what buckets are for) and twi
 bytes (one bucket, sent after the whole backward). PyTorch gets the cap for every bucket, its
 first included, and keeps its gradients as bucket views, as minitp does; minitp gets the size that
 makes its buckets PyTorch's (``_same_buckets_as_torch``), so both send the same all-reduces.
+
+One more row, ``noise/ddp``, runs PyTorch's DDP on both sides (small model, 2 ranks): the same work
+twice, timed as every row is. Its median and interquartile range are how far apart two equal
+contenders land on this machine in one run (on the 2-core VM where this was written: medians
+0.99-1.00, IQR about 0.91-1.05), the yardstick for reading a DDP row's ratio.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import harness
 BUCKETS = {"several-buckets": 0.25, "one-bucket": 2.0}  # bucket size / gradient bytes
 
 
-def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int) -> dict:
+def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int,
+            implementations: tuple[str, str] = harness.SIDES) -> dict:
+    """Each side's DDP (``implementations``: what the minitp and torch columns run; the noise row
+    runs PyTorch's on both)."""
     from minitp.ddp import DistributedDataParallel, split_batch
     from minitp.models import build_model, get_config, loss_fn
     from minitp.models.train import make_optimizer, synthetic_batches
@@ -37,9 +45,9 @@ def _worker(model_name: str, buckets: str, rounds: int, steps: int, warmup: int)
     cap = int(BUCKETS[buckets] * cfg.num_params() * 4)
     minitp_mb = _same_buckets_as_torch(build_model(cfg, seed=train.seed), cap) / 2**20
     sides = {}
-    for name in harness.SIDES:
+    for name, implementation in zip(harness.SIDES, implementations):
         model = build_model(cfg, seed=train.seed)
-        if name == "minitp":
+        if implementation == "minitp":
             wrapped = DistributedDataParallel(model, bucket_mb=minitp_mb)
         else:
             wrapped = torch_ddp(model, cap)
@@ -77,12 +85,23 @@ def _same_buckets_as_torch(model, cap: int) -> int:
     return max(sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets)
 
 
+def _torch_twice(model_name: str, buckets: str, rounds: int, steps: int, warmup: int) -> dict:
+    return _worker(model_name, buckets, rounds, steps, warmup, ("torch", "torch"))
+
+
 def comparisons(models: list[str]) -> list[harness.Comparison]:
-    """4 ranks on every model; the small model also on 2 (4 ranks on 2 cores wait for a core)."""
-    return [harness.Comparison(f"ddp/{buckets}", model, ranks, _worker, (model, buckets),
+    """4 ranks on every model; the small model also on 2 (4 ranks on 2 cores wait for a core). Last,
+    on the small model at 2 ranks, the harness's own noise: PyTorch's DDP on both sides, the same
+    work twice, whose ratio would be 1.00 on a machine that did not drift (a minitp row within its
+    spread is at par)."""
+    rows = [harness.Comparison(f"ddp/{buckets}", model, ranks, _worker, (model, buckets),
                                note=f"bucket = {fraction:g} x gradient bytes")
             for model in models for ranks in ((2, 4) if model == "small" else (4,))
             for buckets, fraction in BUCKETS.items()]
+    if "small" in models:
+        rows.append(harness.Comparison("noise/ddp", "small", 2, _torch_twice, ("small", "one-bucket"),
+                                       note="PyTorch's DDP on both sides: the harness's own noise"))
+    return rows
 
 
 if __name__ == "__main__":

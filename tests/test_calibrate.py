@@ -5,7 +5,7 @@ import json
 import pytest
 
 from minitp import cli, cost
-from minitp.measure import calibrate, elements
+from minitp.measure import calibrate, collectives, elements, sharing
 from minitp.models import BYTE, TINY
 from minitp.models.moe import moe_config
 from minitp.models.train import TrainConfig
@@ -32,6 +32,11 @@ RECORDED = [{"all_reduce": {4: (6.1e-4, 9.0e-5), 2**16: (7.4e-4, 1.4e-4), 2**20:
              "compute_s": 0.0229}]
 RECORDED_4 = [{"all_reduce": {4: (7.2e-4, 1.1e-4), 2**16: (8.0e-4, 1.9e-4), 2**20: (2.1e-3, 9.0e-4)},
                "compute_s": 0.0462 + 0.0004 * r} for r in range(4)]
+# the same machine, 2 ranks: mean seconds of all-gathers and reduce-scatters per size of the full buffer
+RECORDED_KINDS = [{"all_gather": {4: 4.9e-4, 2**16: 9.7e-4, 2**20: 1.91e-3},
+                   "reduce_scatter": {4: 1.60e-3, 2**16: 2.28e-3, 2**20: 3.01e-3}},
+                  {"all_gather": {4: 4.8e-4, 2**16: 9.4e-4, 2**20: 1.93e-3},
+                   "reduce_scatter": {4: 1.61e-3, 2**16: 2.23e-3, 2**20: 2.89e-3}}]
 # the tiny model's fastest step at 1 and at 8 micro-batches, and the operations of one forward+backward
 RECORDED_STEPS = {1: 8.5e-3, 8: 34.1e-3}
 RECORDED_BYTE_STEP = {1: 118e-3}  # the byte model at 8 x 128, one micro-batch
@@ -63,11 +68,15 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
                         lambda microbatches, *a, cfg=None, **k: RECORDED_STEPS if cfg is None else RECORDED_BYTE_STEP)
     monkeypatch.setattr(calibrate, "count_ops", lambda *a, **k: RECORDED_OPS)
     monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
-    busy = {1: [8.0e-3], 2: [10.2e-3, 10.6e-3]}  # the tiny step alone, then on both cores at once
+    # per round, each rank's tiny step with both cores stepping at once and the first rank's alone
+    busy = [[(10.2e-3, 8.0e-3), (10.3e-3, 7.9e-3), (10.2e-3, 8.0e-3)],
+            [(10.6e-3, None), (10.9e-3, None), (10.6e-3, None)]]
 
     def recorded(fn, n, *a, **k):
-        if fn is calibrate._busy_step_worker:
-            return busy[n]
+        if fn is sharing._busy_step_worker:
+            return busy
+        if fn is collectives._kinds_worker:
+            return RECORDED_KINDS
         if fn is measuring._own_work_worker:
             return [RECORDED_OWN]
         if fn is measuring._op_cost_worker:
@@ -82,6 +91,14 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert (cal["alpha_shared_s"], cal["bytes_per_s_shared"]) == calibrate.fit_alpha_beta(shared, 4)
     assert cal["shared_slowdown"] == pytest.approx(0.0468 / 0.0230)  # mean burst on 4 ranks over on 2
     assert cal["busy_slowdown"] == pytest.approx(10.4e-3 / 8.0e-3)  # both cores stepping against one alone
+    # all-gathers and reduce-scatters against the ring model with the all-reduces' α and β (the slower rank's)
+    kinds = {kind: {b: max(r[kind][b] for r in RECORDED_KINDS) for b in (4, 2**16, 2**20)}
+             for kind in collectives.KINDS}
+    assert {k: cal[k] for k in ("all_gather_factor", "reduce_scatter_factor")} == collectives.fit_kind_factors(
+        kinds, cal["alpha_s"], cal["bytes_per_s"], 2)
+    assert 1 < cal["all_gather_factor"] < cal["reduce_scatter_factor"] and cal["reduce_scatter_s"]["4"] == 1.61e-3
+    assert (f"; all-gather {cal['all_gather_factor']:.2f}x, reduce-scatter {cal['reduce_scatter_factor']:.2f}x the "
+            "ring model") in calibrate.format_calibration(cal)
     flops_s = 8 * 16 * cost.training_flops_per_token(TINY, 16) / 9.0e10
     assert {k: cal[k] for k in ("step_overhead_s", "microbatch_overhead_s", "op_s", "microbatch_ops")} == \
         calibrate.fit_fixed_costs(8.5e-3, 34.1e-3, 8, flops_s, RECORDED_OPS)
@@ -117,6 +134,7 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert device.shared_link.alpha_s == cal["alpha_shared_s"] and device.shared_slowdown == cal["shared_slowdown"]
     assert "per micro-batch" in calibrate.format_calibration(cal) and "at 4 ranks" in calibrate.format_calibration(cal)
     assert device.busy_slowdown == cal["busy_slowdown"] and "a step 1.30x slower" in calibrate.format_calibration(cal)
+    assert (device.gather_factor, device.scatter_factor) == (cal["all_gather_factor"], cal["reduce_scatter_factor"])
 
 
 def test_the_cost_beyond_the_matmuls_is_a_line_in_the_activation_elements_through_two_models():
@@ -185,12 +203,31 @@ def test_the_all_reduce_measurement_runs_on_two_ranks_and_reports_every_size():
         assert r["compute_s"] > 0
 
 
-def test_the_busy_step_measurement_runs_on_every_rank_at_once_and_is_never_below_one_alone():
+def test_the_busy_step_measurement_pairs_every_rank_at_once_with_one_alone_round_by_round():
     from minitp.launcher import launch
-    together = launch(calibrate._busy_step_worker, 2, 2, echo=False, timeout=120)
-    assert len(together) == 2 and all(t > 0 for t in together)  # a time per rank, whatever the machine
-    assert calibrate.busy_slowdown(8e-3, [10e-3, 12e-3]) == pytest.approx(11 / 8)
-    assert calibrate.busy_slowdown(8e-3, [7e-3, 7.5e-3]) == 1.0  # a crowd faster than one alone is noise
+    rounds = launch(sharing._busy_step_worker, 2, 2, 3, echo=False, timeout=120)
+    assert [len(r) for r in rounds] == [3, 3]  # per round: (together, alone), alone on the first rank only
+    assert all(together > 0 and alone > 0 for together, alone in rounds[0])
+    assert all(together > 0 and alone is None for together, alone in rounds[1])
+    # per round the ranks' mean together over the lone rank's step; the median over the rounds
+    assert sharing.busy_slowdown([[(10e-3, 8e-3)], [(12e-3, None)]]) == pytest.approx(11 / 8)
+    drifting = [[(10e-3, 8e-3), (20e-3, 16e-3), (12e-3, 8e-3)], [(10e-3, None), (20e-3, None), (12e-3, None)]]
+    assert sharing.busy_slowdown(drifting) == pytest.approx(1.25)  # a machine twice as slow in round 2: 1.25 still
+    assert sharing.busy_slowdown([[(7e-3, 8e-3)], [(7.5e-3, None)]]) == 1.0  # a crowd faster than one alone is noise
+
+
+def test_all_gathers_and_reduce_scatters_are_priced_against_the_ring_model_of_the_all_reduces():
+    alpha, beta = 300e-6, 1e9  # 2 ranks: the ring model of an all-gather is α + B/2/β
+    ring = {b: alpha + b / 2 / beta for b in (4, 2**16, 2**20)}
+    assert collectives.ring_time(2**20, 2, alpha, beta) == pytest.approx(ring[2**20])
+    means = {"all_gather": {b: 0.5 * t for b, t in ring.items()}, "reduce_scatter": {b: 2 * t for b, t in ring.items()}}
+    assert collectives.fit_kind_factors(means, alpha, beta, 2) == {"all_gather_factor": pytest.approx(0.5),
+                                                                   "reduce_scatter_factor": pytest.approx(2.0)}
+    from minitp.launcher import launch
+    results = launch(collectives._kinds_worker, 2, (4, 2**12), 2, (8, 4), echo=False, timeout=120)
+    for r in results:  # what it measured, not how fast
+        assert {k: set(v) for k, v in r.items()} == {"all_gather": {4, 2**12}, "reduce_scatter": {4, 2**12}}
+        assert all(t > 0 for v in r.values() for t in v.values())
 
 
 def test_the_operations_of_the_tiny_models_forward_and_backward_are_counted_alike_each_time():
@@ -232,6 +269,7 @@ BAD_FIGURES = [  # (what replaces a good figure, the note's start)
     ({"op_s": "fast"}, 'ignored: op_s is "fast"'),
     ({"bytes_per_s_shared": 0}, "ignored: bytes_per_s_shared is 0"),
     ({"shared_slowdown": -2}, "ignored: shared_slowdown is -2"),
+    ({"reduce_scatter_factor": 0}, "ignored: reduce_scatter_factor is 0"),
     ({"cores": True}, "ignored: cores is true"),
     ({"flops_per_s": True}, "ignored: flops_per_s is true"),
     ({"alpha_s": False}, "ignored: alpha_s is false"),
@@ -331,3 +369,9 @@ def test_calibrate_refuses_where_it_cannot_store_before_measuring(tmp_path, monk
     assert cli.main(["calibrate"]) == 2 and measured == []
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calibration" in err[0]
+
+
+def test_a_runs_measured_step_is_the_median_after_the_first_two_which_open_connections():
+    from minitp.runs.common import steady_step_s
+    assert steady_step_s([0.050, 0.040, 0.010, 0.012, 0.011]) == 0.011  # what the time model predicts
+    assert steady_step_s([0.050, 0.010]) == pytest.approx(0.030)  # a run of two steps: all of it

@@ -570,3 +570,24 @@ def test_a_rank_on_every_core_runs_as_much_slower_as_calibrate_measured_it_busy(
     assert t.compute_s == pytest.approx(1.3 * alone.compute_s) and t.dp_s == alone.dp_s  # messages as they were
     assert cost.step_time(TINY, 8, 16, device=two, precision="fp32").compute_s == \
         cost.step_time(TINY, 8, 16, device=dataclasses.replace(two, busy_slowdown=None), precision="fp32").compute_s
+
+
+def test_all_gathers_and_reduce_scatters_cost_their_measured_factors_of_the_ring_model():
+    import dataclasses
+
+    gloo = dataclasses.replace(CPU, gather_factor=1.5, scatter_factor=3.0)
+    ring = {name: cost.step_time(TINY, 8, 16, device=CPU, overlap=False, precision="fp32", **layout)
+            for name, layout in {"ddp": dict(dp=2), "fsdp": dict(dp=2, data_parallel="fsdp"),
+                                 "zero2": dict(dp=2, data_parallel="fsdp", zero=2),
+                                 "sp": dict(tp=2, sequence_parallel=True), "tp": dict(tp=2)}.items()}
+    priced = {name: cost.step_time(TINY, 8, 16, device=gloo, overlap=False, precision="fp32", **layout)
+              for name, layout in {"ddp": dict(dp=2), "fsdp": dict(dp=2, data_parallel="fsdp"),
+                                   "zero2": dict(dp=2, data_parallel="fsdp", zero=2),
+                                   "sp": dict(tp=2, sequence_parallel=True), "tp": dict(tp=2)}.items()}
+    # ZeRO-3: two gathers per reduce-scatter, (2·1.5 + 3)/3 = 2; ZeRO-2: one each, 2.25; sequence parallel's pairs
+    assert priced["fsdp"].dp_s == pytest.approx(2.0 * ring["fsdp"].dp_s)
+    assert priced["zero2"].dp_s == pytest.approx(2.25 * ring["zero2"].dp_s)
+    assert priced["sp"].tp_s == pytest.approx(2.25 * ring["sp"].tp_s)
+    # all-reduces are what α and β were fitted to: DDP's and plain tensor parallel's stay
+    assert priced["ddp"].dp_s == ring["ddp"].dp_s > 0 and priced["tp"].tp_s == ring["tp"].tp_s > 0
+    assert (cost.H100.gather_factor, cost.H100.scatter_factor) == (1.0, 1.0)  # NCCL's rings: the ring model

@@ -99,6 +99,11 @@ class Device:
     # the link between the GPU and its host's memory (PCIe), per direction: what activation offload
     # crosses (``minitp.cost.offload``); None: not known (this machine: its "host" is its memory)
     host_link: Link | None = None
+    # how many times the ring model's time (α, β as fitted to all-reduces) an all-gather and a
+    # reduce-scatter take: 1 for NCCL's rings (the GPU sheets); gloo on this machine runs each kind
+    # its own way (``minitp.measure.collectives``)
+    gather_factor: float = 1.0
+    scatter_factor: float = 1.0
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -134,7 +139,8 @@ def device_from_calibration(cal: dict) -> Device:
     the fixed costs of a step, of a micro-batch and of one small operation, and the link and compute
     as measured with twice as many ranks as cores. Where the calibration measured a second, larger
     model (``element_s``), the matmuls run at the large rate and every activation element costs
-    ``element_s``. A calibration from before
+    ``element_s``; where it timed all-gathers and reduce-scatters, their factors. A calibration
+    from before
     ``microbatch_overhead_s`` was measured charges its whole ``step_overhead_s`` per micro-batch, as
     the time model then did."""
     link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
@@ -159,4 +165,6 @@ def device_from_calibration(cal: dict) -> Device:
                   fsdp_own_s=cal.get("fsdp_own_s", 0.0), tp_own_s=cal.get("tp_own_s", 0.0),
                   # null: not measured
                   cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0,
-                  element_s=element, causal_skip=False)
+                  element_s=element, causal_skip=False,
+                  gather_factor=cal.get("all_gather_factor") or 1.0,
+                  scatter_factor=cal.get("reduce_scatter_factor") or 1.0)

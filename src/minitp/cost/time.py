@@ -318,6 +318,10 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     (``links_of_layout``), are counted whole: the experts wait for the dispatch, the next layer for
     the combine.
 
+    An all-gather and a reduce-scatter take ``Device.gather_factor`` and ``scatter_factor`` times
+    what the ring model says (1 on the GPU sheets; gloo's, measured by ``minitp calibrate``):
+    FSDP's, sequence parallel's and the all-gather attention's messages are priced so.
+
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute. With more ranks than
     cores, compute slows by ranks/cores (or as ``minitp calibrate`` measured it, ``_shared_cores``)
@@ -389,8 +393,10 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
         # HSDP's dp: its two groups, each on its own link
         timed = {"dp": ("dp_shard", "dp_replicate")} if hsdp else {}
         for dim in worst:
-            seconds = sum(steps.get(part, 0) * links[part].alpha_s
-                          + sent[part] / links[part].bytes_per_s for part in timed.get(dim, (dim,)))
+            seconds = sum((steps.get(part, 0) * links[part].alpha_s
+                           + sent[part] / links[part].bytes_per_s)
+                          * _kind_factor(device, part, data_parallel, zero, sequence_parallel,
+                                         cp_attention) for part in timed.get(dim, (dim,)))
             worst[dim] = max(worst[dim], seconds)
     if device.cores and gpus >= device.cores:
         # a CPU moves gloo's bytes with its own cores: with none spare, nothing hides
@@ -407,6 +413,21 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
     return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step,
                     model_flops, mfu, worst["cp"], cp_exposed, worst["ep"], ops_s)
+
+
+def _kind_factor(device: Device, part: str, data_parallel: str, zero: int,
+                 sequence_parallel: bool, cp_attention: str) -> float:
+    """How many times the ring model's time a dimension's messages take on ``device``: all-gathers
+    and reduce-scatters at their measured factors (``Device.gather_factor``, ``scatter_factor``),
+    in the proportions the dimension sends them (ZeRO-3 two gathers per reduce-scatter, ZeRO-1/2
+    one each, sequence parallel's and the all-gather attention's pairs one each); all-reduces,
+    sends and all-to-alls at 1."""
+    g, s = device.gather_factor, device.scatter_factor
+    if part in ("dp", "dp_shard") and data_parallel in ("fsdp", "hsdp"):
+        return (2 * g + s) / 3 if zero == 3 else (g + s) / 2
+    if (part == "tp" and sequence_parallel) or (part == "cp" and cp_attention == "allgather"):
+        return (g + s) / 2
+    return 1.0
 
 
 def _ring_steps(blocks: int, m: int, sizes: dict, data_parallel: str, zero: int, recompute: str,

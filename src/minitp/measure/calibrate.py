@@ -160,37 +160,6 @@ def fit_fixed_costs(step_one: float, step_many: float, microbatches: int, flops_
             "microbatch_overhead_s": microbatch, "op_s": microbatch / ops, "microbatch_ops": ops}
 
 
-def _busy_step_worker(repeats: int) -> float:
-    """The median seconds of the tiny model's training step (one micro-batch, AdamW) on this rank,
-    every rank of the launch stepping at the same time (a barrier before each step)."""
-    import torch.distributed as dist
-
-    from minitp.models import TINY, build_model, loss_fn
-    from minitp.models.train import make_optimizer
-
-    torch.set_num_threads(1)
-    model = build_model(TINY, seed=0)
-    optimizer = make_optimizer(model.parameters(), 1e-3)
-    g = torch.Generator().manual_seed(0)
-    tokens, targets = (torch.randint(0, TINY.vocab_size, (8, 16), generator=g) for _ in range(2))
-    times = []
-    for _ in range(repeats + 3):  # the first three warm up
-        dist.barrier()
-        t0 = time.perf_counter()
-        optimizer.zero_grad()
-        loss_fn(model(tokens), targets).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:])
-
-
-def busy_slowdown(alone: float, together: list[float]) -> float:
-    """How many times slower a step runs when every core runs a rank than on one rank alone: the
-    ranks' mean over the lone rank's (at least 1: a faster crowd is noise). Caches, memory bandwidth
-    and the cores' shared clock make it more than 1 on most machines, before any message is sent."""
-    return max(1.0, statistics.fmean(together) / alone)
-
-
 # more ranks than this (a machine of more than 4 cores): not measured at 2·cores ranks
 SHARED_MAX_RANKS = 8
 # the fixed costs: the tiny model's batch of 8 in one micro-batch, then in 8 of one sequence
@@ -344,6 +313,7 @@ FIGURES = (
     ("alpha_shared_s", False, ">= 0"), ("bytes_per_s_shared", False, "> 0"),
     ("shared_slowdown", False, "> 0"), ("busy_slowdown", False, "> 0"),
     ("element_s", False, ">= 0"), ("element_step_overhead_s", False, ">= 0"),
+    ("all_gather_factor", False, "> 0"), ("reduce_scatter_factor", False, "> 0"),
 )
 # a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
 MAY_BE_NULL = ("cp_op_s", "ep_op_s", "flops_per_s_large", "bytes_per_s_min", "alpha_min_s",
@@ -448,12 +418,13 @@ def this_machine(path: str | None = None) -> Device | None:
 
 
 def format_calibration(cal: dict) -> str:
+    from minitp.measure.collectives import describe as kinds
     from minitp.measure.elements import describe
 
     return (f"matmul {tuple(cal['matmul_shape'])}: {cal['flops_per_s'] / 1e9:.2f} GFLOP/s per rank "
             f"(512^3: {cal['flops_per_s_large'] / 1e9:.2f}), 1 thread; gloo all-reduce: "
             f"α = {cal['alpha_s'] * 1e6:.1f} µs per step, β = {cal['bytes_per_s'] / 1e9:.2f} GB/s "
-            f"(mean calls{_fastest(cal)}); "
+            f"(mean calls{_fastest(cal)}){kinds(cal)}; "
             f"{_fixed(cal)}{describe(cal)}; {cal['cores']} cores{_shared(cal)}")
 
 

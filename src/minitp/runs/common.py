@@ -189,11 +189,23 @@ def predicted_step_s(strategy: str, layout: dict, cfg, train: TrainConfig, detai
     return time.step_s, None
 
 
+WARM = 2  # steps left out of a measured step: the first ones build caches, buffers, connections
+
+
+def steady_step_s(times: list[float]) -> float:
+    """The median step after the first ``WARM`` (all of them in a run of ``WARM`` steps or fewer):
+    what a step costs once running, which the time model predicts. On 2 ranks of the tiny model the
+    first two steps take up to twice the later ones (a group's first message opens its
+    connections)."""
+    return statistics.median(times[WARM:] if len(times) > WARM else times)
+
+
 def worker_summary(losses: list[float], times: list[float], memory: dict, **more) -> dict:
-    """What a worker returns besides its strategy's own: rank, losses, median step time, memory."""
+    """What a worker returns besides its strategy's own: rank, losses, the step's time once
+    running (``steady_step_s``), memory."""
     import torch.distributed as dist
 
-    return {"rank": dist.get_rank(), "losses": losses, "step_s": statistics.median(times),
+    return {"rank": dist.get_rank(), "losses": losses, "step_s": steady_step_s(times),
             "memory": memory, **more}
 
 

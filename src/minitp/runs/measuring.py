@@ -21,6 +21,7 @@ import time
 import torch
 
 from minitp.measure import calibrate as machine
+from minitp.measure import collectives, sharing
 from minitp.measure.activations import run_recomputed, saved_bytes_per_block
 from minitp.measure.elements import SHAPES, element_costs
 from minitp.models import BYTE
@@ -129,6 +130,10 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
     results = launch(machine._all_reduce_worker, 2, tuple(sizes), repeats, echo=False, timeout=120)
     means, fastest = _slower_rank(results, sizes)
     alpha, beta = machine.fit_alpha_beta(means, 2)
+    kinds = launch(collectives._kinds_worker, 2, tuple(sizes), repeats, machine.TINY_SHAPE[:2],
+                   echo=False, timeout=120)
+    kind_means = {kind: {b: max(r[kind][b] for r in kinds) for b in sizes}
+                  for kind in collectives.KINDS}  # the slower rank's
     try:
         alpha_min, beta_min = machine.fit_alpha_beta(fastest, 2)
     except ValueError:  # only for comparison: a noisy fastest fit does not spoil the calibration
@@ -136,9 +141,9 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
     shared = {"alpha_shared_s": None, "bytes_per_s_shared": None, "shared_slowdown": None,
               "busy_slowdown": None}
     if cores and 2 <= cores <= machine.SHARED_MAX_RANKS:  # what every core busy does to a step
-        alone = launch(machine._busy_step_worker, 1, repeats, echo=False, timeout=120)[0]
-        together = launch(machine._busy_step_worker, cores, repeats, echo=False, timeout=120)
-        shared["busy_slowdown"] = machine.busy_slowdown(alone, list(together))
+        rounds = launch(sharing._busy_step_worker, cores, max(2, repeats // 4), echo=False,
+                        timeout=120)
+        shared["busy_slowdown"] = sharing.busy_slowdown(list(rounds))
     # what waiting for a core does to messages and to compute
     if cores and 2 <= cores and 2 * cores <= machine.SHARED_MAX_RANKS:
         crowded = launch(machine._all_reduce_worker, 2 * cores, tuple(sizes), repeats // 2,
@@ -162,7 +167,11 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
         "alpha_s": alpha, "bytes_per_s": beta,
         "alpha_min_s": alpha_min, "bytes_per_s_min": beta_min,
         "all_reduce_s": {str(b): t for b, t in means.items()},
-        "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()}, **shared, "cores": cores,
+        "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()},
+        **collectives.fit_kind_factors(kind_means, alpha, beta, 2),
+        **{f"{kind}_s": {str(b): t for b, t in times.items()}
+           for kind, times in kind_means.items()},
+        **shared, "cores": cores,
         "torch": torch.__version__,
     }
 

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minitp import trace as _trace
 from minitp.layout import AXES
+from minitp.runs.common import steady_step_s
 
 STRATEGIES = ("ddp", "fsdp", "tp", "pp", "3d")
 # what each strategy's --impl torch run takes beyond the common options; the others are minitp's
@@ -313,9 +314,8 @@ def _torch_worker(strategy: str, model_name: str, train, o: dict, timed: bool = 
 
     cfg, world = get_config(model_name), dist.get_world_size()
     layout = _layout(strategy, o, world)
-    named = {tuple(g): dim for dim, groups in group_lists(layout["dp"], layout["pp"],
-                                                          layout["tp"]).items()
-             for g in groups if len(g) > 1}
+    lists = group_lists(layout["dp"], layout["pp"], layout["tp"])
+    named = {tuple(g): dim for dim, groups in lists.items() for g in groups if len(g) > 1}
     # DTensor logs from every rank when a gather takes two steps (a 3-D mesh's full_tensor)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     counter = CommCounter()
@@ -324,7 +324,7 @@ def _torch_worker(strategy: str, model_name: str, train, o: dict, timed: bool = 
              for k, p in piece.named_parameters()}  # a sharded one gathered: a collective
     memory = _held(piece.parameters(), optimizer)
     times = _train(strategy, cfg, train, o, None)[1] if timed else [math.nan]
-    return {"losses": losses, "step_s": statistics.median(times),
+    return {"losses": losses, "step_s": steady_step_s(times),
             "sent_by_dim": by_dim(counter.calls, named), "memory": memory, "state": state,
             "replica": replica, "last_stage": last, "unknown": sorted(counter.unknown)}
 

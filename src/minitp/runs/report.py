@@ -48,7 +48,7 @@ class Report:
     memory: list[dict[str, int]]
     memory_expected: list[dict[str, float]]
     wall_s: float  # the launched run, start-up included
-    step_s: list[float]  # per rank, median seconds of a training step
+    step_s: list[float]  # per rank, median seconds of a training step after the first two
     param_tolerance: float = PARAM_TOLERANCE
     loss_tolerance: float = LOSS_TOLERANCE
     reference: str = "one process, the whole batch"

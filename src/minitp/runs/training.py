@@ -30,7 +30,7 @@ import torch
 
 from minitp import checkpoint
 from minitp.data import load_corpus
-from minitp.runs.common import check_memory
+from minitp.runs.common import WARM, check_memory
 from minitp.runs.train_log import read_log
 from minitp.runs.train_rank import kill_mark, train_worker
 from minitp.trainer import Settings, build
@@ -256,9 +256,6 @@ def predicted_step_s(s: Settings, device) -> float:
                           s.microbatches if s.pp > 1 else 1, s.data_parallel, s.zero or 3, "fp32",
                           cp=s.cp, ep=s.ep, virtual_stages=s.virtual_stages,
                           cp_attention=s.cp_attention).step_s
-
-
-WARM = 2  # steps left out of the measured step: the first ones build caches and buffers
 
 
 def measured_and_predicted(s: Settings, results) -> str | None:

@@ -1,0 +1,72 @@
+"""What an all-gather and a reduce-scatter cost on this machine, against the ring model of an
+all-reduce, measured for ``minitp calibrate``.
+
+The time model prices every collective by one α and β, fitted to all-reduces
+(``minitp.measure.calibrate.fit_alpha_beta``): on a ring an all-gather or a reduce-scatter is half
+an all-reduce, (n-1) steps of B/n bytes. That holds for NCCL's rings; gloo on a CPU runs each kind
+its own way. On 2 ranks here a reduce-scatter took 1.3 to 2 times as long as an all-reduce of the
+same buffer and an all-gather about half to four fifths (mean calls, 4 KiB to 1 MiB), so FSDP, whose
+messages are gathers and reduce-scatters, came out 1.2 to 1.4 times slower than predicted. The same
+calls are timed as the all-reduces are (each after a short burst of compute), and each kind's
+factor is its mean times summed over the sizes, over what the ring model says for them with the
+all-reduces' α and β (``fit_kind_factors``): the time model multiplies that kind's messages by it
+(``minitp.cost.Device.gather_factor``, ``scatter_factor``; 1 on the GPU sheets).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+KINDS = ("all_gather", "reduce_scatter")
+FIELDS = {"all_gather": "all_gather_factor", "reduce_scatter": "reduce_scatter_factor"}
+
+
+def _kinds_worker(sizes: tuple[int, ...], repeats: int, shape: tuple[int, int]) -> dict:
+    """{kind: {bytes of the full buffer: mean seconds}} on this rank: each call after a burst of
+    the tiny model's matmuls (``shape``: tokens, D), as ``calibrate._all_reduce_worker`` times its
+    all-reduces; the first two calls of each size warm up."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    a, w = torch.randn(*shape), torch.randn(shape[1], shape[1])
+    out = {kind: {} for kind in KINDS}
+    for nbytes in sizes:
+        full = torch.zeros(max(n, nbytes // 4 // n * n))  # divides into n shards
+        shard = torch.zeros(full.numel() // n)
+        calls = {"all_gather": (dist.all_gather_into_tensor, full, shard),
+                 "reduce_scatter": (dist.reduce_scatter_tensor, shard, full)}
+        for kind, (call, output, input) in calls.items():
+            times = []
+            for _ in range(repeats + 2):
+                for _ in range(8):
+                    a @ w
+                t0 = time.perf_counter()
+                call(output, input)
+                times.append(time.perf_counter() - t0)
+            out[kind][nbytes] = statistics.fmean(times[2:])
+    return out
+
+
+def ring_time(nbytes: float, n: int, alpha_s: float, bytes_per_s: float) -> float:
+    """An all-gather's or reduce-scatter's seconds under the ring model: (n-1)·α + (n-1)/n·B/β."""
+    return (n - 1) * alpha_s + (n - 1) / n * nbytes / bytes_per_s
+
+
+def fit_kind_factors(means: dict[str, dict[int, float]], alpha_s: float, bytes_per_s: float,
+                     n: int = 2) -> dict[str, float]:
+    """Each kind's measured seconds summed over the sizes, over the ring model's for the same calls
+    (α, β of the all-reduces): {"all_gather_factor": ..., "reduce_scatter_factor": ...}."""
+    return {FIELDS[kind]: sum(times.values()) / sum(
+        ring_time(b, n, alpha_s, bytes_per_s) for b in times) for kind, times in means.items()}
+
+
+def describe(cal: dict) -> str:
+    """'; all-gather 0.71x, reduce-scatter 1.93x the ring model' (empty when not measured)."""
+    if cal.get("all_gather_factor") is None or cal.get("reduce_scatter_factor") is None:
+        return ""
+    return (f"; all-gather {cal['all_gather_factor']:.2f}x, reduce-scatter "
+            f"{cal['reduce_scatter_factor']:.2f}x the ring model")
