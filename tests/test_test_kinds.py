@@ -59,3 +59,31 @@ def test_a_unit_test_that_starts_a_process_fails_naming_the_table():
     rank = multiprocessing.get_context("fork").Process(target=print, name="planted-rank")
     with pytest.raises(AssertionError, match=r"planted-rank.*oracle kind \(KINDS in tests/conftest.py\)"):
         rank.start()
+
+
+def test_the_notebooks_kernel_start_is_tried_again_when_a_kernel_dies_before_answering():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    calls = []
+
+    def flaky(fails: int):
+        def start(**kwargs):
+            calls.append(kwargs)
+            if len(calls) <= fails:
+                raise RuntimeError("Kernel died before replying to kernel_info")
+            return "manager", "client"
+        return start
+
+    assert root.retrying(flaky(2), tries=3)(kernel_name="python3") == ("manager", "client")
+    assert len(calls) == 3 and all(c == {"kernel_name": "python3"} for c in calls)  # the same arguments each try
+    calls.clear()
+    with pytest.raises(RuntimeError, match="Kernel died"):  # every try failed: the last failure, not a hang
+        root.retrying(flaky(5), tries=3)()
+    assert len(calls) == 3
+    import nbval.kernel  # pytest_configure wrapped nbval's own once
+    root.pytest_configure(None)
+    assert nbval.kernel.start_new_kernel.retrying and not hasattr(nbval.kernel.start_new_kernel.__wrapped__,
+                                                                   "retrying")
