@@ -18,8 +18,8 @@ makes its buckets PyTorch's (``_same_buckets_as_torch``), so both send the same 
 
 One more row, ``noise/ddp``, runs PyTorch's DDP on both sides (small model, 2 ranks): the same work
 twice, timed as every row is. Its median and interquartile range are how far apart two equal
-contenders land on this machine in one run (on the 2-core VM where this was written: medians
-0.99-1.00, IQR about 0.91-1.05), the yardstick for reading a DDP row's ratio.
+contenders land on this machine in one run (on the 2-core VM where this was written, four runs:
+medians 0.98-1.00, IQRs within 0.91-1.07), the yardstick for reading a DDP row's ratio.
 """
 
 from __future__ import annotations

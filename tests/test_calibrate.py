@@ -33,10 +33,13 @@ RECORDED = [{"all_reduce": {4: (6.1e-4, 9.0e-5), 2**16: (7.4e-4, 1.4e-4), 2**20:
 RECORDED_4 = [{"all_reduce": {4: (7.2e-4, 1.1e-4), 2**16: (8.0e-4, 1.9e-4), 2**20: (2.1e-3, 9.0e-4)},
                "compute_s": 0.0462 + 0.0004 * r} for r in range(4)]
 # the same machine, 2 ranks: mean seconds of all-gathers and reduce-scatters per size of the full buffer
+# and a 4-byte all-reduce's mean seconds after a burst of 8 and of 400 matmuls: (the burst's, the call's)
 RECORDED_KINDS = [{"all_gather": {4: 4.9e-4, 2**16: 9.7e-4, 2**20: 1.91e-3},
-                   "reduce_scatter": {4: 1.60e-3, 2**16: 2.28e-3, 2**20: 3.01e-3}},
+                   "reduce_scatter": {4: 1.60e-3, 2**16: 2.28e-3, 2**20: 3.01e-3},
+                   "waits": {8: (0.11e-3, 0.30e-3), 400: (5.2e-3, 1.05e-3)}},
                   {"all_gather": {4: 4.8e-4, 2**16: 9.4e-4, 2**20: 1.93e-3},
-                   "reduce_scatter": {4: 1.61e-3, 2**16: 2.23e-3, 2**20: 2.89e-3}}]
+                   "reduce_scatter": {4: 1.61e-3, 2**16: 2.23e-3, 2**20: 2.89e-3},
+                   "waits": {8: (0.10e-3, 0.33e-3), 400: (5.0e-3, 1.25e-3)}}]
 # the tiny model's fastest step at 1 and at 8 micro-batches, and the operations of one forward+backward
 RECORDED_STEPS = {1: 8.5e-3, 8: 34.1e-3}
 RECORDED_BYTE_STEP = {1: 118e-3}  # the byte model at 8 x 128, one micro-batch
@@ -97,6 +100,10 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert {k: cal[k] for k in ("all_gather_factor", "reduce_scatter_factor")} == collectives.fit_kind_factors(
         kinds, cal["alpha_s"], cal["bytes_per_s"], 2)
     assert 1 < cal["all_gather_factor"] < cal["reduce_scatter_factor"] and cal["reduce_scatter_s"]["4"] == 1.61e-3
+    # each rank's slope from 0.1 ms of compute to 5 ms, their mean: seconds of waiting per second of compute
+    slopes = [(1.05e-3 - 0.30e-3) / (5.2e-3 - 0.11e-3), (1.25e-3 - 0.33e-3) / (5.0e-3 - 0.10e-3)]
+    assert cal["wait_per_compute"] == pytest.approx(sum(slopes) / 2)
+    assert f"a collective waits {cal['wait_per_compute']:.2f} s per s of compute" in calibrate.format_calibration(cal)
     assert (f"; all-gather {cal['all_gather_factor']:.2f}x, reduce-scatter {cal['reduce_scatter_factor']:.2f}x the "
             "ring model") in calibrate.format_calibration(cal)
     flops_s = 8 * 16 * cost.training_flops_per_token(TINY, 16) / 9.0e10
@@ -135,6 +142,7 @@ def test_a_calibration_is_fitted_from_recorded_timings_and_read_back_as_this_mac
     assert "per micro-batch" in calibrate.format_calibration(cal) and "at 4 ranks" in calibrate.format_calibration(cal)
     assert device.busy_slowdown == cal["busy_slowdown"] and "a step 1.30x slower" in calibrate.format_calibration(cal)
     assert (device.gather_factor, device.scatter_factor) == (cal["all_gather_factor"], cal["reduce_scatter_factor"])
+    assert device.wait_per_compute == cal["wait_per_compute"] > 0
 
 
 def test_the_cost_beyond_the_matmuls_is_a_line_in_the_activation_elements_through_two_models():
@@ -226,8 +234,13 @@ def test_all_gathers_and_reduce_scatters_are_priced_against_the_ring_model_of_th
     from minitp.launcher import launch
     results = launch(collectives._kinds_worker, 2, (4, 2**12), 2, (8, 4), echo=False, timeout=120)
     for r in results:  # what it measured, not how fast
-        assert {k: set(v) for k, v in r.items()} == {"all_gather": {4, 2**12}, "reduce_scatter": {4, 2**12}}
-        assert all(t > 0 for v in r.values() for t in v.values())
+        assert {k: set(v) for k, v in r.items()} == {"all_gather": {4, 2**12}, "reduce_scatter": {4, 2**12},
+                                                      "waits": set(collectives.BURSTS)}
+        assert all(t > 0 for kind in collectives.KINDS for t in r[kind].values())
+        assert all(burst > 0 and call > 0 for burst, call in r["waits"].values())
+    # a collective waits more after a longer burst: the slope per second of compute, never below 0
+    assert collectives.fit_wait([{8: (1e-4, 3e-4), 400: (5.1e-3, 1.3e-3)}]) == pytest.approx(0.2)
+    assert collectives.fit_wait([{8: (1e-4, 9e-4), 400: (5.1e-3, 4e-4)}]) == 0.0  # noise: no negative wait
 
 
 def test_the_operations_of_the_tiny_models_forward_and_backward_are_counted_alike_each_time():

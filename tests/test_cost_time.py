@@ -591,3 +591,16 @@ def test_all_gathers_and_reduce_scatters_cost_their_measured_factors_of_the_ring
     # all-reduces are what α and β were fitted to: DDP's and plain tensor parallel's stay
     assert priced["ddp"].dp_s == ring["ddp"].dp_s > 0 and priced["tp"].tp_s == ring["tp"].tp_s > 0
     assert (cost.H100.gather_factor, cost.H100.scatter_factor) == (1.0, 1.0)  # NCCL's rings: the ring model
+
+
+def test_on_more_than_one_rank_the_collectives_wait_in_proportion_to_the_compute_before_them():
+    import dataclasses
+
+    waiting = dataclasses.replace(CPU, wait_per_compute=0.1)
+    for layout in [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=4), dict(cp=2)]:
+        plain = cost.step_time(TINY, 8, 16, device=CPU, precision="fp32", **layout)
+        t = cost.step_time(TINY, 8, 16, device=waiting, precision="fp32", **layout)
+        assert t.wait_s == pytest.approx(0.1 * t.compute_s) and t.step_s == pytest.approx(plain.step_s + t.wait_s)
+    alone = cost.step_time(TINY, 8, 16, device=waiting, precision="fp32")
+    assert alone.wait_s == 0.0  # one rank waits for nobody
+    assert cost.H100.wait_per_compute == 0.0  # the GPU sheets: no such waits counted

@@ -104,6 +104,9 @@ class Device:
     # its own way (``minitp.measure.collectives``)
     gather_factor: float = 1.0
     scatter_factor: float = 1.0
+    # CPU only: seconds a rank's collectives wait for the others per second of compute before them
+    # (ranks that ran the same work arrive apart; ``minitp.measure.collectives.fit_wait``)
+    wait_per_compute: float = 0.0
 
 
 # NVIDIA H100 SXM5 datasheet (H100 Tensor Core GPU, SXM form factor):
@@ -139,10 +142,9 @@ def device_from_calibration(cal: dict) -> Device:
     the fixed costs of a step, of a micro-batch and of one small operation, and the link and compute
     as measured with twice as many ranks as cores. Where the calibration measured a second, larger
     model (``element_s``), the matmuls run at the large rate and every activation element costs
-    ``element_s``; where it timed all-gathers and reduce-scatters, their factors. A calibration
-    from before
-    ``microbatch_overhead_s`` was measured charges its whole ``step_overhead_s`` per micro-batch, as
-    the time model then did."""
+    ``element_s``; where it timed all-gathers and reduce-scatters, their factors and the waits. A
+    calibration from before ``microbatch_overhead_s`` was measured charges its whole
+    ``step_overhead_s`` per micro-batch, as the time model then did."""
     link = Link("gloo loopback", cal["alpha_s"], cal["bytes_per_s"])
     shared = None
     if cal.get("alpha_shared_s") is not None and cal.get("bytes_per_s_shared") is not None:
@@ -167,4 +169,5 @@ def device_from_calibration(cal: dict) -> Device:
                   cp_op_s=cal.get("cp_op_s") or 0.0, ep_op_s=cal.get("ep_op_s") or 0.0,
                   element_s=element, causal_skip=False,
                   gather_factor=cal.get("all_gather_factor") or 1.0,
-                  scatter_factor=cal.get("reduce_scatter_factor") or 1.0)
+                  scatter_factor=cal.get("reduce_scatter_factor") or 1.0,
+                  wait_per_compute=cal.get("wait_per_compute") or 0.0)

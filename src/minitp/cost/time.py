@@ -260,6 +260,8 @@ class StepTime:
     ep_s: float = 0.0
     # the small operations cp and ep add (``strategy_ops``), at cp_op_s / ep_op_s each; in compute_s
     ops_s: float = 0.0
+    # what the collectives wait for the other ranks, ``Device.wait_per_compute`` · compute (CPU)
+    wait_s: float = 0.0
 
 
 def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
@@ -320,7 +322,9 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
 
     An all-gather and a reduce-scatter take ``Device.gather_factor`` and ``scatter_factor`` times
     what the ring model says (1 on the GPU sheets; gloo's, measured by ``minitp calibrate``):
-    FSDP's, sequence parallel's and the all-gather attention's messages are priced so.
+    FSDP's, sequence parallel's and the all-gather attention's messages are priced so. On more
+    than one rank, the collectives wait for the rank that computed longest:
+    ``Device.wait_per_compute`` · compute (``wait_s``; 0 on the GPU sheets).
 
     On a CPU (``device.cores``) with no core to spare (as many ranks as cores, or more) nothing
     overlaps: gloo copies and adds the bytes on the same cores that compute. With more ranks than
@@ -409,10 +413,12 @@ def step_time(cfg, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
         window = compute * 2 / 3 / m
     dp_exposed = max(0.0, worst["dp"] - window)
     cp_exposed = max(0.0, worst["cp"] - (attention if overlap and ring else 0.0))
-    step = compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed + worst["ep"]
+    wait = device.wait_per_compute * compute if gpus > 1 else 0.0
+    step = (compute + bubble + worst["tp"] + worst["pp"] + dp_exposed + cp_exposed + worst["ep"]
+            + wait)
     mfu = model_flops / (step * gpus * device.flops_per_s) if step > 0 else 0.0
     return StepTime(compute, bubble, worst["tp"], worst["pp"], worst["dp"], dp_exposed, step,
-                    model_flops, mfu, worst["cp"], cp_exposed, worst["ep"], ops_s)
+                    model_flops, mfu, worst["cp"], cp_exposed, worst["ep"], ops_s, wait)
 
 
 def _kind_factor(device: Device, part: str, data_parallel: str, zero: int,

@@ -314,6 +314,7 @@ FIGURES = (
     ("shared_slowdown", False, "> 0"), ("busy_slowdown", False, "> 0"),
     ("element_s", False, ">= 0"), ("element_step_overhead_s", False, ">= 0"),
     ("all_gather_factor", False, "> 0"), ("reduce_scatter_factor", False, "> 0"),
+    ("wait_per_compute", False, ">= 0"),
 )
 # a noisy fit stores null; a machine of one core measures nothing at 2·cores ranks
 MAY_BE_NULL = ("cp_op_s", "ep_op_s", "flops_per_s_large", "bytes_per_s_min", "alpha_min_s",

@@ -169,6 +169,7 @@ def calibrate(repeats: int = 40, sizes: tuple[int, ...] = machine.SIZES) -> dict
         "all_reduce_s": {str(b): t for b, t in means.items()},
         "all_reduce_fastest_s": {str(b): t for b, t in fastest.items()},
         **collectives.fit_kind_factors(kind_means, alpha, beta, 2),
+        "wait_per_compute": collectives.fit_wait([r["waits"] for r in kinds]),
         **{f"{kind}_s": {str(b): t for b, t in times.items()}
            for kind, times in kind_means.items()},
         **shared, "cores": cores,
