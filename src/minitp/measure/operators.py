@@ -82,7 +82,7 @@ def operator_events(profiled, spans: list[Event], rank: int) -> list[Event]:
         start, end = root.time_range.start / 1e6 + median, root.time_range.end / 1e6 + median
         for _ in range(len(spans) + 1):  # clear of every span's edge, after the tree before
             move = _clear_of(spans, start, end)
-            move = max(move, placed_end - start)
+            move = max(move, placed_end + GAP_S - start)
             if move <= 0:
                 break
             start, end = start + move, end + move
@@ -121,15 +121,21 @@ def _on_span(t_us: float, mark, span: Event) -> float:
     return span.start + (t_us - mark.time_range.start) / 1e6 * scale
 
 
+# what separates a moved operator from the edge it was moved off (and from the tree before it):
+# placed exactly on the edge, the trace's start and length, each rounded to the nanosecond, could
+# add up to a hair past it, and a viewer would see two slices that overlap without nesting
+GAP_S = 1e-6
+
+
 def _clear_of(spans: list[Event], start: float, end: float) -> float:
     """How far to move an operator that ran between spans, placed by the median offset, so that it
     does not straddle a span's edge (the offsets differ by a few microseconds from span to span;
-    a viewer cannot nest a slice that straddles another's edge)."""
+    a viewer cannot nest a slice that straddles another's edge), ``GAP_S`` clear of it."""
     for span in spans:
-        if span.start < start < span.end < end:  # began inside, ends after: it ran after it
-            return span.end - start
-        if start < span.start < end < span.end:  # ran before it
-            return span.start - end
+        if span.start < start < span.end + GAP_S and span.end < end:  # began inside, ends after:
+            return span.end + GAP_S - start  # it ran after it
+        if start < span.start and span.start - GAP_S < end < span.end:  # ran before it
+            return span.start - GAP_S - end
     return 0.0
 
 
