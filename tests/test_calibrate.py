@@ -227,7 +227,7 @@ def test_the_busy_step_measurement_pairs_every_rank_at_once_with_one_alone_round
 def test_all_gathers_and_reduce_scatters_are_priced_against_the_ring_model_of_the_all_reduces():
     alpha, beta = 300e-6, 1e9  # 2 ranks: the ring model of an all-gather is α + B/2/β
     ring = {b: alpha + b / 2 / beta for b in (4, 2**16, 2**20)}
-    assert collectives.ring_time(2**20, 2, alpha, beta) == pytest.approx(ring[2**20])
+    assert cost.collective_time("all_gather", 2**20, 2, cost.Link("l", alpha, beta)) == pytest.approx(ring[2**20])
     means = {"all_gather": {b: 0.5 * t for b, t in ring.items()}, "reduce_scatter": {b: 2 * t for b, t in ring.items()}}
     assert collectives.fit_kind_factors(means, alpha, beta, 2) == {"all_gather_factor": pytest.approx(0.5),
                                                                    "reduce_scatter_factor": pytest.approx(2.0)}

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from minitp.cost import Link, collective_time
+
 KINDS = ("all_gather", "reduce_scatter")
 # matmuls of the tiny model's shape before a wait's all-reduce: about 0.1 ms (as the all-reduces
 # that fit α come) and about 5 ms (a block's forward and backward and more)
@@ -88,17 +90,14 @@ def fit_wait(ranks: list[dict[int, tuple[float, float]]]) -> float:
     return max(0.0, statistics.fmean(slopes))
 
 
-def ring_time(nbytes: float, n: int, alpha_s: float, bytes_per_s: float) -> float:
-    """An all-gather's or reduce-scatter's seconds under the ring model: (n-1)·α + (n-1)/n·B/β."""
-    return (n - 1) * alpha_s + (n - 1) / n * nbytes / bytes_per_s
-
-
 def fit_kind_factors(means: dict[str, dict[int, float]], alpha_s: float, bytes_per_s: float,
                      n: int = 2) -> dict[str, float]:
     """Each kind's measured seconds summed over the sizes, over the ring model's for the same calls
-    (α, β of the all-reduces): {"all_gather_factor": ..., "reduce_scatter_factor": ...}."""
+    (α, β of the all-reduces; ``minitp.cost.collective_time``): {"all_gather_factor": ...,
+    "reduce_scatter_factor": ...}."""
+    link = Link("gloo, as the all-reduces fit it", alpha_s, bytes_per_s)
     return {FIELDS[kind]: sum(times.values()) / sum(
-        ring_time(b, n, alpha_s, bytes_per_s) for b in times) for kind, times in means.items()}
+        collective_time(kind, b, n, link) for b in times) for kind, times in means.items()}
 
 
 def describe(cal: dict) -> str:
